@@ -1,0 +1,9 @@
+"""learn2stop: teach any step-wise model when to stop (Chen et al., ICML 2020).
+
+Wrap a step-wise model and a stopping policy in :class:`StoppingModel`, train it stage by stage
+with :class:`StagedTrainer`, and run inference that really skips the remaining steps.
+"""
+from .core import *  # noqa: F401,F403
+from .core import __all__ as _core_all  # type: ignore[attr-defined]  # noqa: F401
+
+__version__ = "0.1.0"

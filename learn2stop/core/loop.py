@@ -1,0 +1,390 @@
+"""The one loop that drives a step-wise model and a stop rule.
+
+A *step-wise model* is any object with
+
+- ``num_steps``: T, the number of steps at which it can output (its "output channels");
+- ``initial_state(inputs)``: the state x_0 from the input;
+- ``step(t, state, inputs)``: the state x_t from x_{t-1}, for t = 1..T (a step may run several layers);
+- ``readout(t, state, inputs)``: the prediction at step t (what the loss and the policy see).
+
+Inputs, states and outputs are tensors or nested dict/list/tuple of tensors whose first dim is
+the batch, so that the loop can drop samples that have stopped. Nothing needs to subclass
+anything: wrap the model with :class:`StoppingModel` and a policy.
+
+A *policy* is a module ``policy(inputs, output, t) -> (B,) stop logits`` (pi_t = sigmoid(logit),
+paper Eq. 2). A *stop rule* fills the stopping slot of :func:`run_with_early_exit`: a fixed depth,
+a tolerance on the change of the output, or the learned policy (thresholded or sampled) all fit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+
+# ----------------------------------------------------------------------------- batch trees
+def tree_map(fn: Callable[[Tensor], Any], tree: Any) -> Any:
+    """Apply ``fn`` to every tensor leaf of a nested dict/list/tuple; other leaves pass through."""
+    if isinstance(tree, Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: tree_map(fn, v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        mapped = [tree_map(fn, v) for v in tree]
+        return type(tree)(*mapped) if hasattr(tree, "_fields") else type(tree)(mapped)
+    return tree
+
+
+def tree_leaves(tree: Any) -> list[Tensor]:
+    """The tensor leaves of a nested dict/list/tuple, in order."""
+    if isinstance(tree, Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [leaf for v in tree.values() for leaf in tree_leaves(v)]
+    if isinstance(tree, (list, tuple)):
+        return [leaf for v in tree for leaf in tree_leaves(v)]
+    return []
+
+
+def batch_size(tree: Any) -> int:
+    """The common first dimension of every tensor leaf; a clear error if they disagree."""
+    sizes = {leaf.shape[0] for leaf in tree_leaves(tree) if leaf.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"inputs must be batch-first with one batch size; found batch sizes {sorted(sizes)}")
+    return sizes.pop()
+
+
+def tree_select(tree: Any, index: Tensor) -> Any:
+    """Rows ``index`` (bool mask or long indices) of every batch-first tensor leaf."""
+    return tree_map(lambda x: x[index] if x.dim() > 0 else x, tree)
+
+
+def tree_cat(trees: list[Any]) -> Any:
+    """Concatenate a list of structurally equal trees along the batch dim."""
+    first = trees[0]
+    if isinstance(first, Tensor):
+        return torch.cat(trees, dim=0)
+    if isinstance(first, dict):
+        return {k: tree_cat([t[k] for t in trees]) for k in first}
+    if isinstance(first, (list, tuple)):
+        parts = [tree_cat([t[i] for t in trees]) for i in range(len(first))]
+        return type(first)(*parts) if hasattr(first, "_fields") else type(first)(parts)
+    return first
+
+
+def tree_detach(tree: Any) -> Any:
+    return tree_map(lambda x: x.detach(), tree)
+
+
+# ----------------------------------------------------------------------------- protocols
+@runtime_checkable
+class StepwiseModel(Protocol):
+    num_steps: int
+
+    def initial_state(self, inputs: Any) -> Any: ...
+
+    def step(self, t: int, state: Any, inputs: Any) -> Any: ...
+
+    def readout(self, t: int, state: Any, inputs: Any) -> Any: ...
+
+
+def check_stepwise(model: Any) -> None:
+    """Raise a TypeError naming what ``model`` lacks to be driven by the loop."""
+    missing = [n for n in ("num_steps", "initial_state", "step", "readout") if not hasattr(model, n)]
+    if missing:
+        raise TypeError(f"{type(model).__name__} is not a step-wise model: it lacks {', '.join(missing)}")
+    if not isinstance(model.num_steps, int) or model.num_steps < 1:
+        raise ValueError(f"{type(model).__name__}.num_steps must be an integer >= 1; got {model.num_steps!r}")
+
+
+@dataclass
+class StepView:
+    """What a stop rule sees at step t, for the samples still running."""
+
+    t: int
+    num_steps: int
+    inputs: Any
+    output: Any
+    previous_output: Any
+    state: Any
+    index: Tensor  # (B_active,) positions of these samples in the original batch
+
+
+StopRule = Callable[[StepView], Tensor]
+
+
+# ----------------------------------------------------------------------------- the result
+@dataclass
+class Rollout:
+    """The uniform result of the loop, read by every trainer, metric and plot.
+
+    Attributes:
+        outputs: the prediction of each sample at its stop time (batch-first tree, input order).
+        stop_times: (B,) 1-based step at which each sample stopped; T for a full-depth run.
+        step_outputs: for a full unroll with ``keep_outputs``: T trees, the output at each step.
+        losses: (B, T) per-step losses when a target and loss were given to a full unroll.
+        stop_logits: (B, T-1) policy logits at steps 1..T-1 in a full unroll; None without policy.
+    """
+
+    outputs: Any
+    stop_times: Tensor
+    num_steps: int
+    step_outputs: list[Any] | None = None
+    losses: Tensor | None = None
+    stop_logits: Tensor | None = None
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def steps_computed(self) -> int:
+        """Sample-steps actually computed: sum of stop times (each step of each sample once)."""
+        return int(self.stop_times.sum())
+
+    @property
+    def mean_depth(self) -> float:
+        return float(self.stop_times.float().mean())
+
+
+# ----------------------------------------------------------------------------- the loop
+def unroll(
+    model: Any,
+    inputs: Any,
+    *,
+    target: Any = None,
+    loss_fn: Callable[[Any, Any], Tensor] | None = None,
+    policy: nn.Module | None = None,
+    model_grad: bool = True,
+    keep_outputs: bool = False,
+) -> Rollout:
+    """Run every step 1..T for the whole batch (training and analysis).
+
+    Args:
+        model: a step-wise model.
+        inputs: batch-first tree.
+        target, loss_fn: if both are given, ``loss_fn(output_t, target) -> (B,)`` is recorded at each step.
+        policy: if given, its stop logits at steps 1..T-1 are recorded.
+        model_grad: False runs the model under ``torch.no_grad`` (Stage II: theta frozen) while
+            the policy, fed detached outputs, still gets gradients.
+        keep_outputs: keep every step's output in ``step_outputs``.
+    Returns:
+        A :class:`Rollout` whose ``outputs`` are the outputs at step T.
+    """
+    check_stepwise(model)
+    T = model.num_steps
+    B = batch_size(inputs)
+    losses, logits, outs = [], [], []
+    with torch.set_grad_enabled(model_grad and torch.is_grad_enabled()):
+        state = model.initial_state(inputs)
+    output = None
+    for t in range(1, T + 1):
+        with torch.set_grad_enabled(model_grad and torch.is_grad_enabled()):
+            state = model.step(t, state, inputs)
+            output = model.readout(t, state, inputs)
+            if loss_fn is not None and target is not None:
+                loss_t = loss_fn(output, target)
+                if loss_t.shape != (B,):
+                    raise ValueError(f"loss_fn must return one loss per sample, shape ({B},); got {tuple(loss_t.shape)}")
+                losses.append(loss_t)
+        if policy is not None and t < T:
+            seen = output if model_grad else tree_detach(output)
+            logits.append(_policy_logits(policy, inputs, seen, t, B))
+        if keep_outputs:
+            outs.append(output)
+    device = tree_leaves(output)[0].device if tree_leaves(output) else None
+    return Rollout(
+        outputs=output,
+        stop_times=torch.full((B,), T, dtype=torch.long, device=device),
+        num_steps=T,
+        step_outputs=outs if keep_outputs else None,
+        losses=torch.stack(losses, dim=1) if losses else None,
+        stop_logits=(torch.stack(logits, dim=1) if logits else _empty_logits(B, device)) if policy is not None else None,
+    )
+
+
+def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs: bool = False) -> Rollout:
+    """Run the model step by step and drop each sample from the batch once ``rule`` says stop.
+
+    A stopped sample costs no further steps: the state, the inputs and the active batch shrink,
+    so later steps run on fewer rows. Step T always stops what is left.
+
+    Args:
+        model: a step-wise model.
+        inputs: batch-first tree.
+        rule: ``rule(StepView) -> (B_active,) bool``; see :class:`PolicyRule`, :class:`FixedDepth`,
+            :class:`StopAtTimes`, :class:`ToleranceRule`.
+        record_probs: also return, in ``extras["stop_probs"]``, the (B, T-1) stop probabilities the
+            rule reported (NaN where a sample had already stopped); needs a rule with ``last_probs``.
+    Returns:
+        A :class:`Rollout`; ``outputs`` is in input order.
+    """
+    check_stepwise(model)
+    T = model.num_steps
+    B = batch_size(inputs)
+    state = model.initial_state(inputs)
+    device = tree_leaves(state)[0].device if tree_leaves(state) else tree_leaves(inputs)[0].device
+    active = torch.arange(B, device=device)
+    stop_times = torch.full((B,), T, dtype=torch.long, device=device)
+    probs = torch.full((B, max(T - 1, 0)), float("nan"), device=device) if record_probs else None
+    done_index, done_outputs = [], []
+    previous = None
+    for t in range(1, T + 1):
+        state = model.step(t, state, inputs)
+        output = model.readout(t, state, inputs)
+        if t == T:
+            stop = torch.ones(active.numel(), dtype=torch.bool, device=device)
+        else:
+            stop = rule(StepView(t, T, inputs, output, previous, state, active))
+            if stop.shape != (active.numel(),) or stop.dtype != torch.bool:
+                raise ValueError(f"a stop rule must return a bool tensor of shape ({active.numel()},); "
+                                 f"got {stop.dtype} {tuple(stop.shape)}")
+            if probs is not None:
+                reported = getattr(rule, "last_probs", None)
+                if reported is None:
+                    raise ValueError("record_probs=True needs a rule that reports stop probabilities (PolicyRule)")
+                probs[active, t - 1] = reported.to(probs)
+        if stop.any():
+            done_index.append(active[stop])
+            done_outputs.append(tree_select(output, stop))
+            stop_times[active[stop]] = t
+            if bool(stop.all()):
+                break
+            keep = ~stop
+            active, state, inputs = active[keep], tree_select(state, keep), tree_select(inputs, keep)
+            output = tree_select(output, keep)
+        previous = output
+    order = torch.cat(done_index)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(B, device=device)
+    outputs = tree_select(tree_cat(done_outputs), inverse)
+    extras = {"stop_probs": probs} if probs is not None else {}
+    return Rollout(outputs=outputs, stop_times=stop_times, num_steps=T, extras=extras)
+
+
+def _policy_logits(policy: nn.Module, inputs: Any, output: Any, t: int, B: int) -> Tensor:
+    logits = policy(inputs, output, t)
+    if logits.shape != (B,):
+        raise ValueError(f"a policy must return one stop logit per sample, shape ({B},); got {tuple(logits.shape)}")
+    return logits
+
+
+def _empty_logits(B: int, device) -> Tensor:
+    return torch.zeros(B, 0, device=device)
+
+
+# ----------------------------------------------------------------------------- stop rules
+class FixedDepth:
+    """Stop every sample at step ``depth`` (default: T, i.e. never early)."""
+
+    def __init__(self, depth: int | None = None):
+        if depth is not None and depth < 1:
+            raise ValueError(f"depth must be >= 1; got {depth}")
+        self.depth = depth
+
+    def __call__(self, view: StepView) -> Tensor:
+        stop = self.depth is not None and view.t >= self.depth
+        return torch.full((view.index.numel(),), stop, dtype=torch.bool, device=view.index.device)
+
+
+class StopAtTimes:
+    """Stop each sample at a given 1-based step (e.g. sampled from the oracle)."""
+
+    def __init__(self, stop_times: Tensor):
+        self.stop_times = stop_times
+
+    def __call__(self, view: StepView) -> Tensor:
+        return self.stop_times.to(view.index.device)[view.index] <= view.t
+
+
+class ToleranceRule:
+    """Stop when the relative change ||out_t - out_{t-1}|| / ||out_t|| falls below ``tol``.
+
+    The classical convergence test of iterative solvers; ``key`` picks a leaf of a dict output.
+    """
+
+    def __init__(self, tol: float, key: str | None = None):
+        if tol <= 0:
+            raise ValueError(f"tol must be > 0; got {tol}")
+        self.tol, self.key = tol, key
+
+    def __call__(self, view: StepView) -> Tensor:
+        out = view.output if self.key is None else view.output[self.key]
+        if view.previous_output is None:
+            return torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+        prev = view.previous_output if self.key is None else view.previous_output[self.key]
+        diff = (out - prev).flatten(1).norm(dim=1)
+        return diff <= self.tol * out.flatten(1).norm(dim=1).clamp_min(1e-12)
+
+
+class PolicyRule:
+    """Ask a learned policy at each step: stop if pi_t > threshold, or stop with probability pi_t.
+
+    Args:
+        policy: ``policy(inputs, output, t) -> (B,)`` stop logits.
+        mode: ``"threshold"`` (deterministic) or ``"sample"`` (stochastic, paper's q_phi).
+        threshold: stop probability above which a sample stops in threshold mode.
+        generator: random generator for sample mode.
+    """
+
+    def __init__(self, policy: nn.Module, mode: str = "threshold", threshold: float = 0.5,
+                 generator: torch.Generator | None = None):
+        if mode not in ("threshold", "sample"):
+            raise ValueError(f"mode must be 'threshold' or 'sample'; got {mode!r}")
+        if not 0 < threshold < 1:
+            raise ValueError(f"threshold must be in (0, 1); got {threshold}")
+        self.policy, self.mode, self.threshold, self.generator = policy, mode, threshold, generator
+        self.last_probs: Tensor | None = None
+
+    def __call__(self, view: StepView) -> Tensor:
+        p = torch.sigmoid(_policy_logits(self.policy, view.inputs, view.output, view.t, view.index.numel()))
+        self.last_probs = p
+        if self.mode == "threshold":
+            return p > self.threshold
+        u = torch.rand(p.shape, generator=self.generator, device="cpu").to(p.device)
+        return u < p
+
+
+# ----------------------------------------------------------------------------- the wrapper
+class StoppingModel(nn.Module):
+    """A step-wise model together with its stopping policy: the object users train and deploy.
+
+    Example:
+        >>> sm = StoppingModel(model, policy)               # doctest: +SKIP
+        >>> result = sm(inputs)                             # early exit, pi_t > 0.5   # doctest: +SKIP
+        >>> result.outputs, result.stop_times, result.steps_computed                   # doctest: +SKIP
+    """
+
+    def __init__(self, model: nn.Module, policy: nn.Module | None = None):
+        super().__init__()
+        check_stepwise(model)
+        self.model = model
+        self.policy = policy
+
+    @property
+    def num_steps(self) -> int:
+        return self.model.num_steps
+
+    def unroll(self, inputs: Any, target: Any = None, loss_fn=None, *, use_policy: bool = True,
+               model_grad: bool = True, keep_outputs: bool = False) -> Rollout:
+        """Full-depth rollout recording per-step losses and stop logits (see :func:`unroll`)."""
+        return unroll(self.model, inputs, target=target, loss_fn=loss_fn,
+                      policy=self.policy if use_policy else None, model_grad=model_grad, keep_outputs=keep_outputs)
+
+    def forward(self, inputs: Any, rule: StopRule | None = None, *, mode: str = "threshold",
+                threshold: float = 0.5, generator: torch.Generator | None = None,
+                record_probs: bool = False) -> Rollout:
+        """Inference that really stops; by default asks the policy with threshold 0.5."""
+        if rule is None:
+            if self.policy is None:
+                rule = FixedDepth()
+            else:
+                rule = PolicyRule(self.policy, mode=mode, threshold=threshold, generator=generator)
+        return run_with_early_exit(self.model, inputs, rule, record_probs=record_probs)
+
+    def stop_distribution(self, inputs: Any) -> Tensor:
+        """q_phi(t | x) for t = 1..T from a full rollout; shape (B, T)."""
+        from .distributions import log_stop_time_distribution
+
+        if self.policy is None:
+            raise ValueError("this StoppingModel has no policy")
+        return log_stop_time_distribution(self.unroll(inputs).stop_logits).exp()

@@ -1,0 +1,206 @@
+"""Stage objectives: from a batch to a scalar loss, for every stage of the paper's Algorithm 1.
+
+Each objective is a plain function ``(stopping_model, inputs, target, loss_fn, cfg, generator)
+-> (loss, metrics)`` registered under its name; :class:`StageObjective` wraps the chosen one in
+an ``nn.Module`` so that DistributedDataParallel can wrap a whole training step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from ..utils.config import non_negative, one_of, positive, require
+from ..utils.registry import Registry
+from . import losses as L
+from .distributions import log_depth_prior, log_oracle_distribution, log_stop_time_distribution, sample_stop_time
+from .loop import StopAtTimes, StoppingModel, run_with_early_exit
+
+OBJECTIVES: Registry[Callable] = Registry("stage objective")
+
+#: variants allowed per objective; the first is the default.
+VARIANTS = {
+    "deep_supervision": ("discounted",),
+    "stage1": ("expected", "marginal", "sampled"),
+    "stage2": ("forward_kl", "map", "reverse_kl"),
+    "stage3": ("beta_vae",),
+    "aevb": ("beta_vae",),
+}
+#: which parameters each objective trains.
+TRAINS = {"deep_supervision": "model", "stage1": "model", "stage2": "policy", "stage3": "both", "aevb": "both"}
+#: what validation selects on by default ("last" step loss, "oracle" best-step loss, "policy" early-exit loss).
+SELECTS = {"deep_supervision": "last", "stage1": "oracle", "stage2": "policy", "stage3": "policy", "aevb": "policy"}
+
+
+@dataclass
+class StageConfig:
+    """One training stage: its objective and optimisation settings.
+
+    objective: deep_supervision (baseline), stage1, stage2, stage3 or aevb.
+    variant: stage1 expected|marginal|sampled; stage2 forward_kl|map|reverse_kl; "" picks the first.
+    recompute: sampled Stage I computes every step's loss without gradients, samples t ~ q*, then
+        recomputes only steps 1..t with gradients (the memory-efficient scheme of App. B.2).
+    select: validation criterion for keeping the best weights: last|oracle|policy|none; "" = objective's default.
+    """
+
+    objective: str = "stage1"
+    variant: str = ""
+    iterations: int = 1000
+    batch_size: int = 256
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    lr_schedule: str = "constant"
+    lr_decay_at: tuple[float, ...] = ()
+    lr_min_factor: float = 0.0
+    warmup: int = 0
+    grad_clip: float = 0.0
+    beta: float = 1.0
+    gamma: float = 1.0
+    prior: str = "uniform"
+    prior_rate: float = 0.0
+    recompute: bool = False
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    select: str = ""
+
+    def __post_init__(self):
+        one_of(self.objective, VARIANTS, "objective")
+        if self.variant == "":
+            self.variant = VARIANTS[self.objective][0]
+        one_of(self.variant, VARIANTS[self.objective], "variant")
+        require(isinstance(self.iterations, int) and self.iterations >= 0, "iterations", f"must be an integer >= 0; got {self.iterations!r}")
+        require(isinstance(self.batch_size, int) and self.batch_size >= 1, "batch_size", f"must be an integer >= 1; got {self.batch_size!r}")
+        positive(self.lr, "lr")
+        non_negative(self.weight_decay, "weight_decay")
+        one_of(self.lr_schedule, ("constant", "cosine", "step"), "lr_schedule")
+        require(all(0 < f < 1 for f in self.lr_decay_at), "lr_decay_at", f"fractions of the run in (0, 1); got {self.lr_decay_at}")
+        require(0 <= self.lr_min_factor <= 1, "lr_min_factor", f"must be in [0, 1]; got {self.lr_min_factor}")
+        require(isinstance(self.warmup, int) and self.warmup >= 0, "warmup", f"must be an integer >= 0; got {self.warmup!r}")
+        non_negative(self.grad_clip, "grad_clip")
+        positive(self.beta, "beta")
+        require(0 < self.gamma <= 1, "gamma", f"must be in (0, 1]; got {self.gamma}")
+        one_of(self.prior, ("uniform", "geometric"), "prior")
+        non_negative(self.prior_rate, "prior_rate")
+        require(isinstance(self.eval_every, int) and self.eval_every >= 1, "eval_every", f"must be an integer >= 1; got {self.eval_every!r}")
+        require(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 1, "checkpoint_every", f"must be an integer >= 1; got {self.checkpoint_every!r}")
+        if self.select == "":
+            self.select = SELECTS[self.objective]
+        one_of(self.select, ("last", "oracle", "policy", "none"), "select")
+
+    @property
+    def trains(self) -> str:
+        return TRAINS[self.objective]
+
+    def lr_at(self, iteration: int) -> float:
+        """Learning rate at a 0-based iteration: linear warm-up, then the schedule."""
+        if self.warmup and iteration < self.warmup:
+            return self.lr * (iteration + 1) / self.warmup
+        frac = iteration / max(self.iterations, 1)
+        if self.lr_schedule == "cosine":
+            import math
+
+            floor = self.lr * self.lr_min_factor
+            return floor + 0.5 * (self.lr - floor) * (1 + math.cos(math.pi * frac))
+        if self.lr_schedule == "step":
+            return self.lr * 0.1 ** sum(frac >= f for f in self.lr_decay_at)
+        return self.lr
+
+    def log_prior(self, num_steps: int, device=None) -> Tensor | None:
+        if self.prior == "uniform":
+            return None
+        return log_depth_prior(num_steps, "geometric", self.prior_rate, device=device)
+
+
+def _summary(losses: Tensor, stop_logits: Tensor | None, beta: float) -> dict[str, float]:
+    """Cheap per-batch diagnostics: last-step, best-step and (if a policy ran) expected loss and depth."""
+    with torch.no_grad():
+        m = {"loss_last": float(losses[:, -1].mean()), "loss_oracle": float(losses.min(dim=1).values.mean())}
+        steps = torch.arange(1, losses.shape[1] + 1, device=losses.device, dtype=losses.dtype)
+        q_star = log_oracle_distribution(losses, beta).exp()
+        m["depth_oracle"] = float((q_star * steps).sum(dim=1).mean())
+        if stop_logits is not None:
+            q = log_stop_time_distribution(stop_logits).exp()
+            m["loss_policy"] = float((q * losses).sum(dim=1).mean())
+            m["depth_policy"] = float((q * steps).sum(dim=1).mean())
+    return m
+
+
+@OBJECTIVES.register("deep_supervision")
+def deep_supervision(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfig, generator) -> tuple[Tensor, dict]:
+    """Baseline: sum_t gamma^(T-t) l_t (normalised), e.g. LISTA's training loss (Sec. 5.1)."""
+    r = sm.unroll(inputs, target, loss_fn, use_policy=False)
+    w = L.discounted_weights(sm.num_steps, cfg.gamma).to(r.losses)
+    return L.weighted_step_loss(r.losses, w), _summary(r.losses.detach(), None, cfg.beta)
+
+
+@OBJECTIVES.register("stage1")
+def stage1(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfig, generator) -> tuple[Tensor, dict]:
+    """Stage I: fit theta with the oracle q*_theta (Eq. 8), exact, marginal, or sampled t ~ q*."""
+    prior = cfg.log_prior(sm.num_steps)
+    if cfg.variant == "sampled" and cfg.recompute:
+        with torch.no_grad():
+            losses = sm.unroll(inputs, target, loss_fn, use_policy=False).losses
+        t_s = sample_stop_time(log_oracle_distribution(losses, cfg.beta, prior), generator) + 1
+        # Recompute only steps 1..t_s with gradients; samples drop out of the batch after their t_s.
+        r = run_with_early_exit(sm.model, inputs, StopAtTimes(t_s))
+        return loss_fn(r.outputs, target).mean(), _summary(losses, None, cfg.beta)
+    r = sm.unroll(inputs, target, loss_fn, use_policy=False)
+    if cfg.variant == "expected":
+        loss = L.stage1_expected_loss(r.losses, cfg.beta, prior)
+    elif cfg.variant == "marginal":
+        loss = L.stage1_marginal_loss(r.losses, cfg.beta, prior)
+    else:
+        loss = L.stage1_sampled_loss(r.losses, cfg.beta, prior, generator)
+    return loss, _summary(r.losses.detach(), None, cfg.beta)
+
+
+@OBJECTIVES.register("stage2")
+def stage2(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfig, generator) -> tuple[Tensor, dict]:
+    """Stage II: theta frozen; fit pi_phi to the oracle by forward KL, MAP target or reverse KL."""
+    _need_policy(sm)
+    r = sm.unroll(inputs, target, loss_fn, model_grad=False)
+    prior = cfg.log_prior(sm.num_steps)
+    if cfg.variant == "forward_kl":
+        loss = L.stage2_forward_kl(r.stop_logits, r.losses, cfg.beta, prior)
+    elif cfg.variant == "map":
+        loss = L.stage2_map_loss(r.stop_logits, r.losses, prior)
+    else:
+        loss = L.stage2_reverse_kl(r.stop_logits, r.losses, cfg.beta, prior)
+    return loss, _summary(r.losses, r.stop_logits.detach(), cfg.beta)
+
+
+@OBJECTIVES.register("stage3")
+def stage3(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfig, generator) -> tuple[Tensor, dict]:
+    """Stage III (and AEVB from scratch): theta and phi together on the beta-VAE objective (Eq. 5)."""
+    _need_policy(sm)
+    r = sm.unroll(inputs, target, loss_fn)
+    loss = L.beta_vae_loss(r.stop_logits, r.losses, cfg.beta, cfg.log_prior(sm.num_steps))
+    return loss, _summary(r.losses.detach(), r.stop_logits.detach(), cfg.beta)
+
+
+OBJECTIVES.register("aevb")(stage3)
+
+
+def _need_policy(sm: StoppingModel) -> None:
+    if sm.policy is None:
+        raise ValueError("this stage trains or uses a stopping policy, but the StoppingModel has none")
+
+
+class StageObjective(nn.Module):
+    """A training step's forward pass as a module: ``forward(inputs, target) -> (loss, metrics)``.
+
+    Wrapping this module (not the bare model) in DistributedDataParallel lets the loop call the
+    model's steps freely while DDP still synchronises the gradients of every trained parameter.
+    """
+
+    def __init__(self, stopping_model: StoppingModel, loss_fn: Callable[[Any, Any], Tensor], cfg: StageConfig):
+        super().__init__()
+        self.stopping_model = stopping_model
+        self.loss_fn = loss_fn
+        self.cfg = cfg
+        self._fn = OBJECTIVES.get(cfg.objective)
+
+    def forward(self, inputs: Any, target: Any, generator: torch.Generator | None = None):
+        return self._fn(self.stopping_model, inputs, target, self.loss_fn, self.cfg, generator)

@@ -1,0 +1,224 @@
+"""StagedTrainer: one training loop for every stage, task and scale (single process or torchrun/DDP).
+
+A *training task* gives the trainer what it cannot know:
+
+- ``loss_fn(output, target) -> (B,)`` per-sample loss l(y, x_t);
+- ``sample_batch(batch_size, generator, device) -> (inputs, target)`` a random training batch drawn
+  with the given CPU generator (the trainer seeds it from (seed, stage, iteration, rank), so a
+  resumed run sees exactly the batches it would have seen);
+- ``validation_batches(device) -> iterable of (inputs, target)``, fixed, for model selection.
+
+Each stage keeps ``<run_dir>/checkpoints/<stage>.pt`` (resumable: weights, optimiser, iteration,
+best score) and ``<stage>_best.pt`` (the weights with the best validation score); both are
+written atomically every ``checkpoint_every`` iterations, so a kill loses at most that much work.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterable, Protocol
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..utils.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ..utils.config import ConfigError, to_dict
+from ..utils.distributed import DistContext
+from .loop import PolicyRule, StoppingModel, run_with_early_exit
+from .objectives import StageConfig, StageObjective
+
+
+class TrainingTask(Protocol):
+    def loss_fn(self, output: Any, target: Any) -> torch.Tensor: ...
+
+    def sample_batch(self, batch_size: int, generator: torch.Generator, device: torch.device) -> tuple[Any, Any]: ...
+
+    def validation_batches(self, device: torch.device) -> Iterable[tuple[Any, Any]]: ...
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 63-bit seed from any printable parts (same on every platform and run)."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+@torch.no_grad()
+def validation_scores(sm: StoppingModel, batches: Iterable[tuple[Any, Any]], loss_fn, threshold: float = 0.5) -> dict[str, float]:
+    """Mean validation loss at the last step, at the best step (oracle), and with early exit by the policy."""
+    was_training = sm.training
+    sm.eval()
+    totals: dict[str, float] = {"last": 0.0, "oracle": 0.0, "policy": 0.0, "depth": 0.0}
+    n = 0
+    for inputs, target in batches:
+        r = sm.unroll(inputs, target, loss_fn, use_policy=False)
+        b = r.losses.shape[0]
+        totals["last"] += float(r.losses[:, -1].sum())
+        totals["oracle"] += float(r.losses.min(dim=1).values.sum())
+        if sm.policy is not None:
+            e = run_with_early_exit(sm.model, inputs, PolicyRule(sm.policy, threshold=threshold))
+            totals["policy"] += float(loss_fn(e.outputs, target).sum())
+            totals["depth"] += float(e.stop_times.float().sum())
+        n += b
+    sm.train(was_training)
+    out = {k: v / max(n, 1) for k, v in totals.items()}
+    if sm.policy is None:
+        out.pop("policy"), out.pop("depth")
+    return out
+
+
+class StagedTrainer:
+    """Runs the paper's stages (and the baselines) on one :class:`StoppingModel`.
+
+    Args:
+        stopping_model: the model and policy, already on ``ctx.device``.
+        task: a :class:`TrainingTask`.
+        run_dir: where checkpoints and ``metrics.jsonl`` go.
+        seed: base seed of every random batch.
+        ctx: distributed context (rank, world size, device); single process by default.
+        progress: show a progress bar (rank 0 only).
+        resume: continue a stage from its checkpoint if one exists (a finished stage is skipped).
+    """
+
+    def __init__(self, stopping_model: StoppingModel, task: TrainingTask, run_dir: str | Path, *, seed: int = 0,
+                 ctx: DistContext | None = None, progress: bool = True, resume: bool = True):
+        self.sm = stopping_model
+        self.task = task
+        self.run_dir = Path(run_dir)
+        self.seed = seed
+        self.ctx = ctx or DistContext()
+        self.progress = progress
+        self.resume = resume
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        if self.ctx.is_main:
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------------ helpers
+    def _log(self, record: dict) -> None:
+        if self.ctx.is_main:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def _trainable(self, cfg: StageConfig) -> list[nn.Parameter]:
+        parts = {"model": [self.sm.model], "policy": [self.sm.policy], "both": [self.sm.model, self.sm.policy]}[cfg.trains]
+        if any(p is None for p in parts):
+            raise ValueError(f"stage objective {cfg.objective!r} trains the policy, but the StoppingModel has none")
+        for p in self.sm.parameters():
+            p.requires_grad_(False)
+        params = [p for m in parts for p in m.parameters()]
+        for p in params:
+            p.requires_grad_(True)
+        if not params:
+            raise ValueError(f"stage objective {cfg.objective!r} found no parameters to train")
+        return params
+
+    def _set_modes(self, cfg: StageConfig) -> None:
+        self.sm.model.train(cfg.trains in ("model", "both"))
+        if self.sm.policy is not None:
+            self.sm.policy.train(cfg.trains in ("policy", "both"))
+
+    def _validate(self, cfg: StageConfig) -> dict[str, float]:
+        return validation_scores(self.sm, self.task.validation_batches(self.ctx.device), self.task.loss_fn)
+
+    def _state(self) -> dict:
+        return {k: v.detach().clone() for k, v in self.sm.state_dict().items()}
+
+    # ------------------------------------------------------------------ one stage
+    def fit(self, name: str, cfg: StageConfig) -> dict[str, Any]:
+        """Run (or resume, or skip if finished) stage ``name``; leaves the selected weights loaded.
+
+        Returns a summary dict: the stage name, iterations run, best validation score and
+        wall-clock seconds.
+        """
+        path, best_path = self.ckpt_dir / f"{name}.pt", self.ckpt_dir / f"{name}_best.pt"
+        params = self._trainable(cfg)
+        opt = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        start, best, elapsed = 0, float("inf"), 0.0
+        if self.resume and path.is_file():
+            ck = load_checkpoint(path, map_location=self.ctx.device)
+            if ck.get("stage_config") != to_dict(cfg):
+                raise ConfigError(
+                    f"{path} was written with a different config for stage {name!r}; "
+                    f"use a new run directory or turn resume off")
+            self._load_weights(ck, path)
+            if ck.get("completed"):
+                for p in self.sm.parameters():
+                    p.requires_grad_(True)
+                return ck["summary"]
+            opt.load_state_dict(ck["optimizer"])
+            start, best, elapsed = ck["iteration"], ck["best_score"], ck.get("elapsed", 0.0)
+
+        objective = StageObjective(self.sm, self.task.loss_fn, cfg)
+        step_fn: nn.Module = objective
+        if self.ctx.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            dev_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
+            step_fn = DDP(objective, device_ids=dev_ids, find_unused_parameters=True)
+        local_batch = -(-cfg.batch_size // self.ctx.world_size)
+
+        def checkpoint(iteration: int, completed: bool = False, summary: dict | None = None) -> None:
+            if self.ctx.is_main:
+                save_checkpoint({"stage": name, "stage_config": to_dict(cfg), "iteration": iteration,
+                                 "completed": completed, "best_score": best, "elapsed": elapsed,
+                                 "weights": self._state(), "optimizer": opt.state_dict(),
+                                 "summary": summary or {}}, path)
+            self.ctx.barrier()
+
+        bar = tqdm(total=cfg.iterations, initial=start, desc=name, dynamic_ncols=True,
+                   disable=not (self.progress and self.ctx.is_main), leave=True)
+        self._set_modes(cfg)
+        t0 = time.perf_counter()
+        for it in range(start, cfg.iterations):
+            gen = torch.Generator().manual_seed(derive_seed(self.seed, name, it, self.ctx.rank))
+            inputs, target = self.task.sample_batch(local_batch, gen, self.ctx.device)
+            for group in opt.param_groups:
+                group["lr"] = cfg.lr_at(it)
+            loss, metrics = step_fn(inputs, target, gen)
+            loss_value = float(loss.detach())
+            if not torch.isfinite(loss.detach()):
+                raise FloatingPointError(
+                    f"stage {name!r}: the loss became {loss_value} at iteration {it + 1}; "
+                    f"lower the learning rate ({cfg.lr}) or set grad_clip")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            bar.update(1)
+            done = it + 1
+            if done % 10 == 0 or done == cfg.iterations:
+                bar.set_postfix(loss=f"{loss_value:.4g}")
+            if done % cfg.eval_every == 0 or done == cfg.iterations:
+                scores = self._validate(cfg)
+                self._set_modes(cfg)
+                score = scores[cfg.select] if cfg.select != "none" else -done
+                improved = score < best
+                if improved:
+                    best = score
+                    if self.ctx.is_main:
+                        save_checkpoint({"stage": name, "iteration": done, "weights": self._state()}, best_path)
+                self._log({"stage": name, "iteration": done, "train_loss": loss_value, **metrics,
+                           **{f"val_{k}": v for k, v in scores.items()}, "lr": cfg.lr_at(it)})
+            if done % cfg.checkpoint_every == 0 and done < cfg.iterations:
+                elapsed += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                checkpoint(done)
+        bar.close()
+        elapsed += time.perf_counter() - t0
+        if best_path.is_file() and cfg.select != "none":
+            self._load_weights(load_checkpoint(best_path, map_location=self.ctx.device), best_path)
+        summary = {"stage": name, "iterations": cfg.iterations, "best_score": best, "select": cfg.select,
+                   "seconds": round(elapsed, 2)}
+        checkpoint(cfg.iterations, completed=True, summary=summary)
+        for p in self.sm.parameters():
+            p.requires_grad_(True)
+        return summary
+
+    def _load_weights(self, ck: dict, path: Path) -> None:
+        try:
+            self.sm.load_state_dict(ck["weights"])
+        except (KeyError, RuntimeError) as e:
+            raise CheckpointError(f"{path} does not fit this model: {e}") from None

@@ -1,0 +1,1 @@
+"""Infrastructure shared by every task: checkpoints, configs, registries, distributed context."""

@@ -1,0 +1,63 @@
+"""Atomic, code-free checkpoints.
+
+A checkpoint is a plain dict of tensors and primitives written with ``torch.save`` to a temporary
+file in the same folder, flushed to disk, then renamed over the target (``os.replace`` is atomic),
+so a kill mid-write leaves the previous checkpoint intact. Loading uses ``weights_only=True``:
+nothing in the file is executed.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "learn2stop-checkpoint"
+VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, corrupt, or not a learn2stop checkpoint."""
+
+
+def save_checkpoint(payload: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Write ``payload`` atomically to ``path``; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"format": FORMAT, "version": VERSION, **payload}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_checkpoint`, without executing code from it.
+
+    Raises:
+        CheckpointError: naming the file, if it is missing, truncated/corrupt, or of another format.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    try:
+        data = torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt or not loadable safely: {e}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a learn2stop checkpoint")
+    if data.get("version", 0) > VERSION:
+        raise CheckpointError(f"{path} was written by a newer learn2stop (format version {data['version']})")
+    return data

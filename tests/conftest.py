@@ -1,0 +1,91 @@
+"""Shared fixtures: a tiny step-wise model and policy, seeded generators, data paths."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def shared_data(sub: str) -> Path:
+    """Path under ../shared/data, or skip the test with the reason."""
+    path = SHARED_DATA / sub
+    if not path.exists():
+        pytest.skip(f"needs {path} (the shared data folder is absent on this machine)")
+    return path
+
+
+class ToyStepModel(nn.Module):
+    """x_t = tanh(W_t x_{t-1} + U_t y): untied steps, readout = the state (like LISTA)."""
+
+    def __init__(self, dim: int = 5, in_dim: int = 3, num_steps: int = 4):
+        super().__init__()
+        self.num_steps = num_steps
+        self.dim = dim
+        self.W = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(num_steps))
+        self.U = nn.ModuleList(nn.Linear(in_dim, dim) for _ in range(num_steps))
+        self.calls = 0
+
+    def initial_state(self, inputs):
+        return inputs.new_zeros(inputs.shape[0], self.dim)
+
+    def step(self, t, state, inputs):
+        self.calls += state.shape[0]  # rows computed, to check early exit really skips work
+        return torch.tanh(self.W[t - 1](state) + self.U[t - 1](inputs))
+
+    def readout(self, t, state, inputs):
+        return state
+
+
+class ToyPolicy(nn.Module):
+    def __init__(self, dim: int = 5, in_dim: int = 3, num_steps: int = 4):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim + in_dim + 1, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.num_steps = num_steps
+
+    def forward(self, inputs, output, t):
+        tt = torch.full((inputs.shape[0], 1), t / self.num_steps)
+        return self.net(torch.cat([inputs, output, tt], dim=1)).squeeze(1)
+
+
+def mse_loss(output, target):
+    return ((output - target) ** 2).sum(dim=1)
+
+
+class ToyTask:
+    """Regress a fixed random map of y, fresh data per batch; for trainer tests."""
+
+    def __init__(self, in_dim: int = 3, dim: int = 5, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.M = torch.randn(in_dim, dim, generator=g) * 0.5
+        self.in_dim = in_dim
+        gv = torch.Generator().manual_seed(seed + 1)
+        self._val = [self._make(64, gv)]
+
+    def _make(self, n, g):
+        y = torch.randn(n, self.in_dim, generator=g)
+        return y, torch.tanh(y @ self.M)
+
+    def loss_fn(self, output, target):
+        return mse_loss(output, target)
+
+    def sample_batch(self, batch_size, generator, device):
+        y, x = self._make(batch_size, generator)
+        return y.to(device), x.to(device)
+
+    def validation_batches(self, device):
+        return [(y.to(device), x.to(device)) for y, x in self._val]
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture
+def toy():
+    torch.manual_seed(0)
+    return ToyStepModel(), ToyPolicy()

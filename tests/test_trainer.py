@@ -1,0 +1,179 @@
+"""Stage objectives and the trainer: gradients reach the right parameters, training improves,
+checkpoints resume exactly and fail clearly."""
+import copy
+
+import pytest
+import torch
+
+from conftest import ToyPolicy, ToyStepModel, ToyTask
+from learn2stop.core import StageConfig, StagedTrainer, StageObjective, StoppingModel
+from learn2stop.utils.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from learn2stop.utils.config import ConfigError
+
+
+def make_sm():
+    torch.manual_seed(0)
+    return StoppingModel(ToyStepModel(), ToyPolicy())
+
+
+def grads_after(objective, variant="", **kw):
+    sm = make_sm()
+    task = ToyTask()
+    cfg = StageConfig(objective=objective, variant=variant, beta=0.5, **kw)
+    y, x = task.sample_batch(16, torch.Generator().manual_seed(0), "cpu")
+    loss, metrics = StageObjective(sm, task.loss_fn, cfg)(y, x, torch.Generator().manual_seed(1))
+    loss.backward()
+    has = lambda m: any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
+    return has(sm.model), has(sm.policy), metrics
+
+
+@pytest.mark.parametrize("objective, variant, model_grad, policy_grad", [
+    ("deep_supervision", "", True, False),
+    ("stage1", "expected", True, False),
+    ("stage1", "marginal", True, False),
+    ("stage1", "sampled", True, False),
+    ("stage2", "forward_kl", False, True),
+    ("stage2", "map", False, True),
+    ("stage2", "reverse_kl", False, True),
+    ("stage3", "", True, True),
+    ("aevb", "", True, True),
+])
+def test_gradients_reach_the_right_parameters(objective, variant, model_grad, policy_grad):
+    m, p, metrics = grads_after(objective, variant)
+    assert (m, p) == (model_grad, policy_grad)
+    assert metrics["loss_oracle"] <= metrics["loss_last"]
+
+
+def test_recomputed_sampled_stage1_equals_plain_sampled():
+    """The memory-saving path (no-grad pass, then recompute to t ~ q*) gives the same loss and gradient."""
+    task = ToyTask()
+    y, x = task.sample_batch(32, torch.Generator().manual_seed(0), "cpu")
+    grads = []
+    for recompute in (False, True):
+        sm = make_sm()
+        cfg = StageConfig(objective="stage1", variant="sampled", beta=0.5, recompute=recompute)
+        loss, _ = StageObjective(sm, task.loss_fn, cfg)(y, x, torch.Generator().manual_seed(5))
+        loss.backward()
+        grads.append((loss.detach(), [q.grad.clone() for q in sm.model.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b)
+
+
+def test_stage2_leaves_theta_untouched(tmp_path):
+    sm = make_sm()
+    before = copy.deepcopy(sm.model.state_dict())
+    StagedTrainer(sm, ToyTask(), tmp_path, progress=False).fit(
+        "stage2", StageConfig(objective="stage2", iterations=5, batch_size=8, eval_every=5))
+    for k, v in sm.model.state_dict().items():
+        torch.testing.assert_close(v, before[k])
+
+
+def test_short_training_run_improves(tmp_path):
+    sm = make_sm()
+    task = ToyTask()
+    trainer = StagedTrainer(sm, task, tmp_path, progress=False)
+    from learn2stop.core import validation_scores
+    before = validation_scores(sm, task.validation_batches("cpu"), task.loss_fn)
+    trainer.fit("stage1", StageConfig(objective="stage1", iterations=150, batch_size=32, lr=1e-2, beta=0.1, eval_every=50))
+    trainer.fit("stage2", StageConfig(objective="stage2", iterations=100, batch_size=32, lr=1e-2, beta=0.1, eval_every=50))
+    after = validation_scores(sm, task.validation_batches("cpu"), task.loss_fn)
+    assert after["oracle"] < 0.5 * before["oracle"]
+    assert after["policy"] < 0.5 * before["policy"]
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") >= 5
+
+
+class Crash(RuntimeError):
+    pass
+
+
+class CrashingTask(ToyTask):
+    def __init__(self, crash_at):
+        super().__init__()
+        self.calls, self.crash_at = 0, crash_at
+
+    def sample_batch(self, batch_size, generator, device):
+        self.calls += 1
+        if self.calls == self.crash_at:
+            raise Crash("killed")
+        return super().sample_batch(batch_size, generator, device)
+
+
+def test_resume_after_crash_reproduces_uninterrupted_run(tmp_path):
+    cfg = StageConfig(objective="stage1", iterations=20, batch_size=8, checkpoint_every=5, eval_every=20, select="none")
+    ref = make_sm()
+    StagedTrainer(ref, ToyTask(), tmp_path / "a", progress=False).fit("s1", cfg)
+
+    sm = make_sm()
+    with pytest.raises(Crash):
+        StagedTrainer(sm, CrashingTask(crash_at=13), tmp_path / "b", progress=False).fit("s1", cfg)
+    assert load_checkpoint(tmp_path / "b" / "checkpoints" / "s1.pt")["iteration"] == 10
+    sm2 = make_sm()
+    StagedTrainer(sm2, ToyTask(), tmp_path / "b", progress=False).fit("s1", cfg)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sm2.state_dict()[k], v)
+    # a finished stage is skipped and restores its weights
+    sm3 = make_sm()
+    summary = StagedTrainer(sm3, ToyTask(), tmp_path / "b", progress=False).fit("s1", cfg)
+    assert summary["iterations"] == 20
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sm3.state_dict()[k], v)
+    with pytest.raises(ConfigError, match="different config"):
+        StagedTrainer(make_sm(), ToyTask(), tmp_path / "b", progress=False).fit("s1", StageConfig(objective="stage1", iterations=30))
+
+
+def test_checkpoint_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="not found"):
+        load_checkpoint(tmp_path / "nope.pt")
+    good = save_checkpoint({"x": torch.ones(3)}, tmp_path / "good.pt")
+    data = good.read_bytes()
+    bad = tmp_path / "truncated.pt"
+    bad.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_checkpoint(bad)
+    other = tmp_path / "other.pt"
+    torch.save({"weights": 1}, other)
+    with pytest.raises(CheckpointError, match="not a learn2stop checkpoint"):
+        load_checkpoint(other)
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("code ran",))
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"format": "learn2stop-checkpoint", "x": Evil()}, evil)
+    with pytest.raises(CheckpointError, match="corrupt or not loadable safely"):
+        load_checkpoint(evil)
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    path = save_checkpoint({"x": torch.zeros(2)}, tmp_path / "c.pt")
+
+    def dying_save(obj, f, *a, **k):
+        f.write(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint({"x": torch.ones(2)}, path)
+    monkeypatch.undo()
+    torch.testing.assert_close(load_checkpoint(path)["x"], torch.zeros(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"beta": 0.0}, "beta"), ({"beta": -1.0}, "beta"), ({"iterations": -1}, "iterations"),
+    ({"objective": "stage9"}, "objective"), ({"objective": "stage2", "variant": "sampled"}, "variant"),
+    ({"lr": 0.0}, "lr"), ({"gamma": 1.5}, "gamma"), ({"lr_schedule": "linear"}, "lr_schedule"),
+])
+def test_stage_config_validation_names_the_field(kw, field):
+    with pytest.raises(ConfigError, match=f"^{field}:"):
+        StageConfig(**kw)
+
+
+def test_lr_schedules():
+    c = StageConfig(lr=1.0, iterations=100, lr_schedule="cosine", warmup=10)
+    assert c.lr_at(0) == pytest.approx(0.1) and c.lr_at(9) == pytest.approx(1.0)
+    assert c.lr_at(99) < 0.01
+    s = StageConfig(lr=1.0, iterations=100, lr_schedule="step", lr_decay_at=(0.5,))
+    assert s.lr_at(49) == 1.0 and s.lr_at(50) == pytest.approx(0.1)
