@@ -1,0 +1,93 @@
+"""The ``learn2stop`` command: ``learn2stop <task> <command> [--preset P] [--config F.yaml] [--field.x V]``.
+
+Examples:
+    learn2stop list
+    learn2stop sparse reproduce --preset quick
+    learn2stop sparse train --preset paper --run-dir runs/paper --stage1.lr 1e-4
+    torchrun --nproc_per_node 4 -m learn2stop sparse train --preset paper
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .tasks.base import RunContext, get_task, list_tasks
+from .utils.checkpoint import CheckpointError
+from .utils.config import ConfigError, add_config_arguments, overrides_from_args, resolve
+
+
+def _list() -> int:
+    for name in list_tasks():
+        spec = get_task(name)
+        print(f"{name}: {spec.description}")
+        print(f"  commands: {', '.join(spec.commands)}")
+        print(f"  presets:  {', '.join(spec.presets)} (default {spec.default_preset})")
+    return 0
+
+
+def build_parser(task_name: str) -> argparse.ArgumentParser:
+    spec = get_task(task_name)
+    parser = argparse.ArgumentParser(prog=f"learn2stop {task_name}", description=spec.description)
+    parser.add_argument("command", choices=sorted(spec.commands), help="what to run")
+    parser.add_argument("--preset", default=spec.default_preset, help=f"one of: {', '.join(spec.presets)}")
+    parser.add_argument("--config", default=None, help="YAML file of config fields (applied over the preset)")
+    parser.add_argument("--run-dir", default=None, help="output folder (default runs/<task>-<preset>)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--no-resume", action="store_true", help="start stages afresh even if checkpoints exist")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    add_config_arguments(parser, spec.config_class)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print("\ntasks:", ", ".join(list_tasks()))
+        return 0
+    if argv[0] == "list":
+        return _list()
+    task_name = argv[0]
+    try:
+        spec = get_task(task_name)
+    except KeyError as e:
+        print(f"learn2stop: error: {e.args[0]}", file=sys.stderr)
+        return 2
+    parser = build_parser(task_name)
+    args = parser.parse_args(argv[1:])
+    try:
+        if args.preset not in spec.presets:
+            raise ConfigError(f"preset: unknown preset {args.preset!r} for task {task_name!r}; available: {', '.join(spec.presets)}")
+        cfg = resolve(spec.config_class, spec.presets[args.preset], args.config, overrides_from_args(args))
+    except ConfigError as e:
+        parser.error(str(e))
+    if args.print_config:
+        import yaml
+
+        from .utils.config import to_dict
+
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        return 0
+    from .utils.distributed import init_distributed, shutdown_distributed
+
+    try:
+        ctx = init_distributed(args.device)
+    except ValueError as e:
+        parser.error(str(e))
+    run = RunContext(run_dir=Path(args.run_dir or f"runs/{task_name}-{args.preset}"), ctx=ctx,
+                     progress=not args.no_progress, resume=not args.no_resume)
+    try:
+        run.prepare(cfg)
+        spec.commands[args.command](cfg, run)
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+        print(f"learn2stop {task_name} {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown_distributed(ctx)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The task registry and what every application hands to the CLI.
+
+An application registers a :class:`TaskSpec`: its config dataclass, its presets (partial dicts
+over the config's defaults) and its commands, each a plain function ``command(cfg, run) -> dict``.
+The CLI only resolves the config, makes the :class:`RunContext` and calls the command.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..utils.config import save_yaml
+from ..utils.distributed import DistContext
+from ..utils.registry import Registry
+
+
+@dataclass
+class RunContext:
+    """Where a command writes, and how it runs: decided by the CLI (or a script), passed down."""
+
+    run_dir: Path
+    ctx: DistContext = field(default_factory=DistContext)
+    progress: bool = True
+    resume: bool = True
+
+    @property
+    def device(self):
+        return self.ctx.device
+
+    def prepare(self, cfg: Any) -> None:
+        """Create the run directory and save the resolved config beside the checkpoints."""
+        self.run_dir = Path(self.run_dir)
+        if self.ctx.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_yaml(cfg, self.run_dir / "config.yaml")
+        self.ctx.barrier()
+
+    def log(self, message: str) -> None:
+        if self.ctx.is_main:
+            print(message, flush=True)
+
+
+@dataclass
+class TaskSpec:
+    """An application as the CLI sees it."""
+
+    name: str
+    description: str
+    config_class: type
+    presets: dict[str, dict]
+    commands: dict[str, Callable[[Any, RunContext], dict]]
+    default_preset: str = "quick"
+
+
+TASKS: Registry[TaskSpec] = Registry("task")
+
+
+def register_task(spec: TaskSpec) -> TaskSpec:
+    TASKS.register(spec.name)(spec)
+    return spec
+
+
+def get_task(name: str) -> TaskSpec:
+    from . import load_all
+
+    load_all()
+    return TASKS.get(name)
+
+
+def list_tasks() -> list[str]:
+    from . import load_all
+
+    load_all()
+    return TASKS.names()
