@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+torch.set_num_threads(1)  # tests use tiny tensors: one thread avoids OpenMP spin-waits on a busy machine
+
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 

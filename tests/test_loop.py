@@ -115,3 +115,18 @@ def test_bad_models_and_rules(toy, gen):
         unroll(model, torch.randn(3, 3), target=torch.randn(3, 5), loss_fn=lambda o, y: (o - y).pow(2))
     with pytest.raises(ValueError, match="threshold"):
         PolicyRule(policy, threshold=1.5)
+
+
+def test_policy_min_step_is_never_called_before(toy, gen):
+    model, policy = toy
+    calls = []
+    policy.register_forward_hook(lambda mod, args, out: calls.append(args[2]))
+    policy.min_step = 3
+    with torch.no_grad():
+        policy.net[-1].bias.fill_(20.0)  # would stop at once if asked
+        y = torch.randn(5, 3, generator=gen)
+        r = StoppingModel(model, policy)(y)
+        u = unroll(model, y, policy=policy)
+    assert (r.stop_times == 3).all() and set(calls) == {3}
+    q = log_stop_time_distribution(u.stop_logits).exp()
+    assert q[:, :2].max() < 1e-12 and torch.allclose(q.sum(1), torch.ones(5))

@@ -12,7 +12,8 @@ the batch, so that the loop can drop samples that have stopped. Nothing needs to
 anything: wrap the model with :class:`StoppingModel` and a policy.
 
 A *policy* is a module ``policy(inputs, output, t) -> (B,) stop logits`` (pi_t = sigmoid(logit),
-paper Eq. 2). A *stop rule* fills the stopping slot of :func:`run_with_early_exit`: a fixed depth,
+paper Eq. 2). A policy may set ``min_step``: before that step it is not called at all (pi_t = 0),
+which saves its cost where it would never stop. A *stop rule* fills the stopping slot of :func:`run_with_early_exit`: a fixed depth,
 a tolerance on the change of the output, or the learned policy (thresholded or sampled) all fit.
 """
 from __future__ import annotations
@@ -261,7 +262,15 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
     return Rollout(outputs=outputs, stop_times=stop_times, num_steps=T, extras=extras)
 
 
+#: logit used for steps a policy declares it never stops at (sigmoid(-50) ~ 2e-22).
+NEVER_STOP_LOGIT = -50.0
+
+
 def _policy_logits(policy: nn.Module, inputs: Any, output: Any, t: int, B: int) -> Tensor:
+    """The policy's stop logits at step t; a policy with ``min_step`` is not even called before it."""
+    if t < getattr(policy, "min_step", 1):
+        leaf = tree_leaves(output)[0]
+        return torch.full((B,), NEVER_STOP_LOGIT, device=leaf.device, dtype=leaf.dtype)
     logits = policy(inputs, output, t)
     if logits.shape != (B,):
         raise ValueError(f"a policy must return one stop logit per sample, shape ({B},); got {tuple(logits.shape)}")

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from ..utils.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..utils.config import ConfigError, to_dict
 from ..utils.distributed import DistContext
-from .loop import PolicyRule, StoppingModel, run_with_early_exit
+from .loop import PolicyRule, StoppingModel, run_with_early_exit, tree_map
 from .objectives import StageConfig, StageObjective
 
 
@@ -123,7 +123,8 @@ class StagedTrainer:
         return validation_scores(self.sm, self.task.validation_batches(self.ctx.device), self.task.loss_fn)
 
     def _state(self) -> dict:
-        return {k: v.detach().clone() for k, v in self.sm.state_dict().items()}
+        # Tensors are copied; a module's extra state (plain values) passes through.
+        return tree_map(lambda v: v.detach().clone(), self.sm.state_dict())
 
     # ------------------------------------------------------------------ one stage
     def fit(self, name: str, cfg: StageConfig) -> dict[str, Any]:
@@ -135,7 +136,7 @@ class StagedTrainer:
         path, best_path = self.ckpt_dir / f"{name}.pt", self.ckpt_dir / f"{name}_best.pt"
         params = self._trainable(cfg)
         opt = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        start, best, elapsed = 0, float("inf"), 0.0
+        start, best, elapsed, best_state = 0, float("inf"), 0.0, None
         if self.resume and path.is_file():
             ck = load_checkpoint(path, map_location=self.ctx.device)
             if ck.get("stage_config") != to_dict(cfg):
@@ -156,7 +157,9 @@ class StagedTrainer:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             dev_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-            step_fn = DDP(objective, device_ids=dev_ids, find_unused_parameters=True)
+            # Only the recomputed sampled Stage I can leave deep steps unused in a pass.
+            unused = cfg.variant == "sampled" and cfg.recompute
+            step_fn = DDP(objective, device_ids=dev_ids, find_unused_parameters=unused)
         local_batch = -(-cfg.batch_size // self.ctx.world_size)
 
         def checkpoint(iteration: int, completed: bool = False, summary: dict | None = None) -> None:
@@ -195,11 +198,10 @@ class StagedTrainer:
                 scores = self._validate(cfg)
                 self._set_modes(cfg)
                 score = scores[cfg.select] if cfg.select != "none" else -done
-                improved = score < best
-                if improved:
-                    best = score
+                if score < best:
+                    best, best_state = score, self._state()  # every rank keeps its own copy: no file race
                     if self.ctx.is_main:
-                        save_checkpoint({"stage": name, "iteration": done, "weights": self._state()}, best_path)
+                        save_checkpoint({"stage": name, "iteration": done, "weights": best_state}, best_path)
                 self._log({"stage": name, "iteration": done, "train_loss": loss_value, **metrics,
                            **{f"val_{k}": v for k, v in scores.items()}, "lr": cfg.lr_at(it)})
             if done % cfg.checkpoint_every == 0 and done < cfg.iterations:
@@ -208,8 +210,12 @@ class StagedTrainer:
                 checkpoint(done)
         bar.close()
         elapsed += time.perf_counter() - t0
-        if best_path.is_file() and cfg.select != "none":
-            self._load_weights(load_checkpoint(best_path, map_location=self.ctx.device), best_path)
+        if cfg.select != "none":
+            if best_state is not None:
+                self.sm.load_state_dict(best_state)
+            elif best_path.is_file():  # resumed after the last improvement was saved
+                self.ctx.barrier()
+                self._load_weights(load_checkpoint(best_path, map_location=self.ctx.device), best_path)
         summary = {"stage": name, "iterations": cfg.iterations, "best_score": best, "select": cfg.select,
                    "seconds": round(elapsed, 2)}
         checkpoint(cfg.iterations, completed=True, summary=summary)

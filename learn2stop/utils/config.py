@@ -117,7 +117,10 @@ def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
             kwargs[name] = from_dict(tp, value, prefix=path + ".")
         else:
             kwargs[name] = _convert(value, tp, path)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{prefix}{e}") from None
 
 
 def merge(base: dict, update: dict) -> dict:
