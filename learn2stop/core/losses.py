@@ -119,24 +119,26 @@ def stage1_sampled_loss(
 
 
 # ----------------------------------------------------------------------------- Stage II
+def _stage2_logs(stop_logits: Tensor, losses: Tensor, beta: float, log_prior: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(log q*, log q_phi), the oracle computed from detached losses: theta is fixed in Stage II."""
+    _check_pair(stop_logits, losses)
+    return log_oracle_distribution(losses.detach(), beta, log_prior), log_stop_time_distribution(stop_logits)
+
+
 def stage2_cross_entropy(
     stop_logits: Tensor, losses: Tensor, beta: float, log_prior: Tensor | None = None, reduction: str = "mean"
 ) -> Tensor:
     """-sum_t q*(t) log q_phi(t), the cross-entropy form of the forward KL (Eq. 9)."""
-    _check_pair(stop_logits, losses)
-    q_star = log_oracle_distribution(losses.detach(), beta, log_prior).exp()
-    return _reduce(-(q_star * log_stop_time_distribution(stop_logits)).sum(dim=1), reduction)
+    log_q_star, log_q = _stage2_logs(stop_logits, losses, beta, log_prior)
+    return _reduce(-(log_q_star.exp() * log_q).sum(dim=1), reduction)
 
 
 def stage2_forward_kl(
     stop_logits: Tensor, losses: Tensor, beta: float, log_prior: Tensor | None = None, reduction: str = "mean"
 ) -> Tensor:
     """KL(q*_theta || q_phi) with theta fixed (Eq. 9): cross-entropy minus H(q*)."""
-    _check_pair(stop_logits, losses)
-    log_q_star = log_oracle_distribution(losses.detach(), beta, log_prior)
-    log_q = log_stop_time_distribution(stop_logits)
-    kl = (log_q_star.exp() * (log_q_star - log_q)).sum(dim=1)
-    return _reduce(kl, reduction)
+    log_q_star, log_q = _stage2_logs(stop_logits, losses, beta, log_prior)
+    return _reduce((log_q_star.exp() * (log_q_star - log_q)).sum(dim=1), reduction)
 
 
 def stage2_map_loss(
@@ -153,11 +155,8 @@ def stage2_reverse_kl(
     stop_logits: Tensor, losses: Tensor, beta: float, log_prior: Tensor | None = None, reduction: str = "mean"
 ) -> Tensor:
     """KL(q_phi || q*_theta) with theta fixed (Sec. 4.3), summed exactly over the T stop times."""
-    _check_pair(stop_logits, losses)
-    log_q_star = log_oracle_distribution(losses.detach(), beta, log_prior)
-    log_q = log_stop_time_distribution(stop_logits)
-    kl = (log_q.exp() * (log_q - log_q_star)).sum(dim=1)
-    return _reduce(kl, reduction)
+    log_q_star, log_q = _stage2_logs(stop_logits, losses, beta, log_prior)
+    return _reduce((log_q.exp() * (log_q - log_q_star)).sum(dim=1), reduction)
 
 
 def max_entropy_rl_objective(
