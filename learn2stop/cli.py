@@ -34,6 +34,8 @@ def build_parser(task_name: str) -> argparse.ArgumentParser:
     parser.add_argument("--config", default=None, help="YAML file of config fields (applied over the preset)")
     parser.add_argument("--run-dir", default=None, help="output folder (default runs/<task>-<preset>)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default: torch's choice; 1 is far faster on a busy machine)")
     parser.add_argument("--no-resume", action="store_true", help="start stages afresh even if checkpoints exist")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -70,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1; got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     from .utils.distributed import init_distributed, shutdown_distributed
 
     try:
