@@ -1,0 +1,274 @@
+"""Images for blind denoising: folder loading, an embedded synthetic default, and patch sampling.
+
+Images are float32 arrays in [0, 1] of shape (H, W) (one grey channel). Training patches are drawn
+on the fly from a multi-scale pyramid kept as uint8 (Train400 at 4 scales is about 38 MB), so memory
+stays bounded whatever the number of patches: a patch is an index (image, scale, row, column) into
+a grid of stride ``stride``, never a stored copy.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".pgm")
+
+
+class ImageDataError(ValueError):
+    """A folder or image that cannot be used; the message names the path."""
+
+
+# ----------------------------------------------------------------------------- loading
+def list_images(folder: str | Path) -> list[Path]:
+    """Sorted image files of ``folder`` (by suffix); a clear error if it is missing or has none."""
+    folder = Path(folder)
+    if not folder.exists():
+        raise ImageDataError(f"image folder not found: {folder}")
+    if not folder.is_dir():
+        raise ImageDataError(f"expected a folder of images, got a file: {folder}")
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise ImageDataError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in folder {folder}")
+    return files
+
+
+def load_image(path: str | Path) -> np.ndarray:
+    """One image as float32 (H, W) in [0, 1]; colour images are converted to grey with a warning.
+
+    Raises:
+        ImageDataError: if the file is missing, unreadable or not an image.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    path = Path(path)
+    if not path.is_file():
+        raise ImageDataError(f"image not found: {path}")
+    try:
+        with Image.open(path) as im:
+            im.load()
+            mode = im.mode
+            if mode in ("L", "I;16", "I", "F"):
+                arr = np.asarray(im, dtype=np.float32)
+                scale = {"L": 255.0, "I;16": 65535.0}.get(mode, max(float(arr.max()), 1.0) if mode != "F" else 1.0)
+                arr = arr / scale
+            else:
+                if mode not in ("1", "LA"):
+                    warnings.warn(f"{path.name}: colour image (mode {mode}) converted to greyscale "
+                                  f"(ITU-R 601 luma); the denoiser works on one grey channel", stacklevel=2)
+                arr = np.asarray(im.convert("L"), dtype=np.float32) / 255.0
+    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        raise ImageDataError(f"cannot read image {path}: {e}") from None
+    if arr.ndim != 2 or arr.size == 0:
+        raise ImageDataError(f"image {path} has unsupported shape {arr.shape}")
+    return np.clip(arr, 0.0, 1.0).astype(np.float32)
+
+
+def load_folder(folder: str | Path, min_size: int = 1) -> tuple[list[np.ndarray], list[str]]:
+    """All images of a folder and their file names; images smaller than ``min_size`` are an error."""
+    images, names = [], []
+    for path in list_images(folder):
+        img = load_image(path)
+        if min(img.shape) < min_size:
+            raise ImageDataError(f"image {path} is {img.shape[1]}x{img.shape[0]}, smaller than the "
+                                 f"{min_size}x{min_size} patch size; remove it or lower data.patch_size")
+        images.append(img)
+        names.append(path.name)
+    return images, names
+
+
+def save_image(img: np.ndarray | Tensor, path: str | Path) -> None:
+    """Write a (H, W) image in [0, 1] as 8-bit grey (PNG by suffix)."""
+    from PIL import Image
+
+    if isinstance(img, Tensor):
+        img = img.detach().cpu().numpy()
+    arr = np.clip(np.asarray(img).squeeze(), 0, 1)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray((arr * 255.0 + 0.5).astype(np.uint8), mode="L").save(path)
+
+
+# ----------------------------------------------------------------------------- synthetic default
+def dead_leaves_image(size: int, generator: np.random.Generator, r_min: float = 1.5, r_max: float | None = None,
+                      num_shapes: int | None = None) -> np.ndarray:
+    """A grey "dead leaves" image: occluding discs with power-law radii and textured grey levels.
+
+    The dead-leaves model reproduces the scale invariance, occlusions and edge statistics of
+    natural images (Lee, Mumford & Huang 2001); denoisers trained on it come close to those
+    trained on photographs (Achddou et al. 2021). It lets the CLI run with no user data and
+    nothing downloaded. Radii follow p(r) ~ r^-3 on [r_min, r_max]; each disc gets a grey level,
+    a linear shading and, for some, a sinusoidal texture; later discs lie under earlier ones.
+
+    Returns:
+        float32 (size, size) in [0, 1].
+    """
+    r_max = r_max or size / 3
+    num_shapes = num_shapes or int(6 * size * size / (r_min * 40))
+    img = np.full((size, size), np.nan, dtype=np.float32)
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
+    # inverse-CDF sampling of p(r) ~ r^-3 on [r_min, r_max]
+    u = generator.random(num_shapes)
+    radii = (r_min ** -2 - u * (r_min ** -2 - r_max ** -2)) ** -0.5
+    for r in radii:
+        cy, cx = generator.uniform(-r, size + r, size=2)
+        y0, y1 = max(int(cy - r), 0), min(int(cy + r) + 2, size)
+        x0, x1 = max(int(cx - r), 0), min(int(cx + r) + 2, size)
+        if y0 >= y1 or x0 >= x1:
+            continue
+        sub_y, sub_x = yy[y0:y1, x0:x1], xx[y0:y1, x0:x1]
+        inside = ((sub_y - cy) ** 2 + (sub_x - cx) ** 2 <= r * r) & np.isnan(img[y0:y1, x0:x1])
+        if not inside.any():
+            continue
+        level = generator.uniform(0.05, 0.95)
+        gy, gx = generator.normal(0, 0.15 / max(r, 4.0), size=2)
+        value = level + gy * (sub_y - cy) + gx * (sub_x - cx)
+        if generator.random() < 0.3:  # a striped texture on some leaves
+            freq, angle = generator.uniform(0.3, 1.2), generator.uniform(0, math.pi)
+            value = value + 0.08 * np.sin(freq * (np.cos(angle) * sub_x + np.sin(angle) * sub_y))
+        block = img[y0:y1, x0:x1]
+        block[inside] = value[inside]
+        if not np.isnan(img).any():
+            break
+    img[np.isnan(img)] = generator.uniform(0.05, 0.95)
+    # a light blur so that edges are anti-aliased, as in photographs
+    k = np.array([0.25, 0.5, 0.25], dtype=np.float32)
+    img = np.apply_along_axis(lambda v: np.convolve(np.pad(v, 1, mode="edge"), k, mode="valid"), 0, img)
+    img = np.apply_along_axis(lambda v: np.convolve(np.pad(v, 1, mode="edge"), k, mode="valid"), 1, img)
+    return np.clip(img, 0.0, 1.0).astype(np.float32)
+
+
+def synthetic_images(count: int, size: int, seed: int) -> list[np.ndarray]:
+    """``count`` dead-leaves images of ``size`` x ``size``, deterministic in ``seed``."""
+    return [dead_leaves_image(size, np.random.default_rng([seed, i])) for i in range(count)]
+
+
+# ----------------------------------------------------------------------------- augmentation
+NUM_AUGMENTATIONS = 8
+
+
+def augment(x: Tensor, mode: int) -> Tensor:
+    """One of the 8 symmetries of the square on the last two dims: mode = 4 * flip + rotations.
+
+    mode in 0..7: rotate by 90 * (mode % 4) degrees, after a vertical flip if mode >= 4.
+    """
+    if not 0 <= mode < NUM_AUGMENTATIONS:
+        raise ValueError(f"augmentation mode must be in 0..7; got {mode}")
+    if mode >= 4:
+        x = torch.flip(x, dims=(-2,))
+    return torch.rot90(x, k=mode % 4, dims=(-2, -1))
+
+
+def inverse_augment(x: Tensor, mode: int) -> Tensor:
+    """Undo :func:`augment` with the same mode."""
+    if not 0 <= mode < NUM_AUGMENTATIONS:
+        raise ValueError(f"augmentation mode must be in 0..7; got {mode}")
+    x = torch.rot90(x, k=-(mode % 4), dims=(-2, -1))
+    if mode >= 4:
+        x = torch.flip(x, dims=(-2,))
+    return x
+
+
+# ----------------------------------------------------------------------------- patches
+def rescale(img: np.ndarray, scale: float) -> np.ndarray:
+    """Bicubic resize of a (H, W) image in [0, 1] by ``scale`` (as DnCNN's data generation)."""
+    if scale == 1:
+        return img
+    from PIL import Image
+
+    h, w = img.shape
+    size = (max(int(round(w * scale)), 1), max(int(round(h * scale)), 1))
+    out = Image.fromarray(img.astype(np.float32), mode="F").resize(size, Image.BICUBIC)
+    return np.clip(np.asarray(out, dtype=np.float32), 0.0, 1.0)
+
+
+def grid_count(height: int, width: int, patch: int, stride: int) -> int:
+    """Number of patch positions on a stride grid (0 if the image is smaller than the patch)."""
+    if height < patch or width < patch:
+        return 0
+    return ((height - patch) // stride + 1) * ((width - patch) // stride + 1)
+
+
+@dataclass
+class PatchBank:
+    """Every 50x50 (``patch_size``) patch of a multi-scale pyramid, addressed by one flat index.
+
+    Args:
+        images: float32 (H, W) images in [0, 1].
+        patch_size, stride: the patch grid on every scaled image.
+        scales: resize factors (DnCNN: 1, 0.9, 0.8, 0.7); a scaled image smaller than a patch
+            contributes no patch.
+    """
+
+    images: Sequence[np.ndarray]
+    patch_size: int = 50
+    stride: int = 10
+    scales: Sequence[float] = (1.0, 0.9, 0.8, 0.7)
+
+    def __post_init__(self):
+        if self.patch_size < 1 or self.stride < 1:
+            raise ValueError(f"patch_size and stride must be >= 1; got {self.patch_size}, {self.stride}")
+        if not self.images:
+            raise ImageDataError("no training images to cut patches from")
+        # uint8 keeps the pyramid small (4x less than float32), like DnCNN's own patch files
+        self._pyramid: list[np.ndarray] = []
+        counts = []
+        for img in self.images:
+            for s in self.scales:
+                scaled = rescale(img, s)
+                n = grid_count(*scaled.shape, self.patch_size, self.stride)
+                if n:
+                    self._pyramid.append(np.round(scaled * 255).astype(np.uint8))
+                    counts.append(n)
+        if not counts:
+            smallest = min(min(i.shape) for i in self.images)
+            raise ImageDataError(f"every training image is smaller than the {self.patch_size}x{self.patch_size} "
+                                 f"patch size (smallest side {smallest}); lower data.patch_size")
+        self._cum = torch.tensor(np.cumsum([0] + counts), dtype=torch.long)
+
+    def __len__(self) -> int:
+        """Number of distinct patches (before augmentation)."""
+        return int(self._cum[-1])
+
+    def patch(self, index: int) -> np.ndarray:
+        """Patch ``index`` as float32 (patch_size, patch_size) in [0, 1]."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"patch index {index} out of range 0..{len(self) - 1}")
+        k = int(torch.searchsorted(self._cum, torch.tensor(index), right=True)) - 1
+        img = self._pyramid[k]
+        local = index - int(self._cum[k])
+        cols = (img.shape[1] - self.patch_size) // self.stride + 1
+        r, c = divmod(local, cols)
+        y, x = r * self.stride, c * self.stride
+        return img[y:y + self.patch_size, x:x + self.patch_size].astype(np.float32) / 255.0
+
+    def sample(self, n: int, generator: torch.Generator, augment_patches: bool = True) -> Tensor:
+        """``n`` random patches (B, 1, P, P), each with a random symmetry; all draws from ``generator``."""
+        idx = torch.randint(len(self), (n,), generator=generator)
+        modes = torch.randint(NUM_AUGMENTATIONS if augment_patches else 1, (n,), generator=generator)
+        out = [augment(torch.from_numpy(self.patch(int(i))), int(m)) for i, m in zip(idx, modes)]
+        return torch.stack(out)[:, None]
+
+
+# ----------------------------------------------------------------------------- noise
+def sample_sigmas(n: int, generator: torch.Generator, sigma_max: float = 55.0,
+                  sigma_set: Sequence[float] = ()) -> Tensor:
+    """Noise levels on the 0..255 scale: uniform on [0, sigma_max] or drawn from ``sigma_set``."""
+    if sigma_set:
+        choices = torch.tensor([float(s) for s in sigma_set])
+        return choices[torch.randint(len(choices), (n,), generator=generator)]
+    return torch.rand(n, generator=generator) * sigma_max
+
+
+def add_noise(clean: Tensor, sigma: Tensor | float, generator: torch.Generator) -> Tensor:
+    """clean + N(0, (sigma/255)^2) per image; ``sigma`` is per image (B,) or one number, on 0..255."""
+    sigma = torch.as_tensor(sigma, dtype=clean.dtype)
+    if (sigma < 0).any():
+        raise ValueError(f"noise level sigma must be >= 0; got {sigma.min().item()}")
+    sigma = sigma.reshape(-1, *([1] * (clean.dim() - 1))) if sigma.dim() else sigma
+    noise = torch.randn(clean.shape, generator=generator, dtype=clean.dtype)
+    return clean + noise * (sigma / 255.0)

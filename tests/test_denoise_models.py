@@ -1,0 +1,136 @@
+"""DnCNN-stop networks: shapes, per-output heads, and early exit that really skips layers."""
+import pytest
+import torch
+from torch import nn
+
+from learn2stop.core import FixedDepth, StopAtTimes, StoppingModel, run_with_early_exit, unroll
+from learn2stop.tasks.denoise import DeepSupervisedDnCNN, DenoisePolicy, HeadsOnly
+
+
+def small_net(positions=(1, 3), depth=6, channels=8):
+    torch.manual_seed(0)
+    net = DeepSupervisedDnCNN(depth=depth, channels=channels, output_positions=positions)
+    # non-trivial BN statistics and last layers, so that outputs differ between heads
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.1, 0.1)
+            m.running_var.uniform_(0.5, 1.5)
+    for m in [net.final] + [h[-1] for h in net.heads]:
+        nn.init.normal_(m.weight, std=0.1)
+    return net.eval()
+
+
+def test_dncnn_layout_no_bias_and_residual():
+    net = DeepSupervisedDnCNN(depth=20, channels=64, output_positions=())
+    convs = [m for m in net.modules() if isinstance(m, nn.Conv2d)]
+    assert len(convs) == 20 and all(c.bias is None for c in convs)
+    assert sum(isinstance(m, nn.BatchNorm2d) for m in net.modules()) == 18
+    assert net.num_steps == 1 and net.layers_at(1) == 20
+    paper = DeepSupervisedDnCNN(depth=20, channels=64)
+    assert paper.num_steps == 19 and paper.output_positions == tuple(range(1, 19))
+    assert [paper.layers_at(t) for t in (1, 18, 19)] == [3, 20, 20]
+    # residual learning: with a zero final layer the output is the noisy input itself
+    nn.init.zeros_(net.final.weight)
+    x = torch.rand(2, 1, 11, 13)
+    torch.testing.assert_close(net.eval()(x), x)
+
+
+def test_every_output_has_the_input_shape_and_comes_from_its_head():
+    net = small_net()
+    x = torch.rand(3, 1, 19, 23)  # odd sizes
+    r = unroll(net, x, keep_outputs=True)
+    assert net.num_steps == 3 and len(r.step_outputs) == 3
+    assert all(o.shape == x.shape for o in r.step_outputs)
+    with torch.no_grad():
+        h = x
+        feats = []
+        for block in net.blocks:
+            h = block(h)
+            feats.append(h)
+        expected = [x - net.heads[0](feats[0]), x - net.heads[1](feats[2]), x - net.final(feats[-1])]
+    for got, want in zip(r.step_outputs, expected):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(r.step_outputs[-1], net(x))
+    assert not torch.allclose(r.step_outputs[0], r.step_outputs[1])
+
+
+@pytest.mark.parametrize("positions", [(0,), (4, 5), (3, 2), (2, 2)])
+def test_bad_output_positions_are_rejected(positions):
+    with pytest.raises(ValueError, match="output_positions"):
+        DeepSupervisedDnCNN(depth=6, channels=4, output_positions=positions)
+
+
+def test_bad_depth_and_input_shape():
+    with pytest.raises(ValueError, match="depth"):
+        DeepSupervisedDnCNN(depth=2)
+    with pytest.raises(ValueError, match="B, C, H, W"):
+        unroll(small_net(), torch.rand(1, 9, 9))
+
+
+def test_early_exit_matches_full_depth_and_skips_layers():
+    net = small_net(positions=(1, 2, 4), depth=7)
+    x = torch.rand(5, 1, 15, 17)
+    full = unroll(net, x, keep_outputs=True)
+    times = torch.tensor([1, 3, 2, 4, 1])
+    net.block_rows = 0
+    with torch.no_grad():
+        r = run_with_early_exit(net, x, StopAtTimes(times))
+    for i, t in enumerate(times.tolist()):
+        torch.testing.assert_close(r.outputs[i], full.step_outputs[t - 1][i])
+    assert torch.equal(r.stop_times, times)
+    assert net.block_rows == sum(net.blocks_at(t) for t in times.tolist())  # 1+4+2+6+1 = 14
+    assert net.block_rows < 5 * (net.depth - 1)
+
+
+def test_policy_early_exit_equals_full_depth_at_the_policy_stop():
+    net = small_net(positions=(1, 2, 3, 4), depth=7)
+    torch.manual_seed(1)
+    policy = DenoisePolicy(net.num_steps, channels=4).eval()
+    with torch.no_grad():
+        policy.linear.bias.fill_(0.0)
+    sm = StoppingModel(net, policy)
+    x = torch.rand(6, 1, 13, 16)
+    full = sm.unroll(x, keep_outputs=True)
+    assert full.stop_logits.shape == (6, 4)
+    net.block_rows = 0
+    with torch.no_grad():
+        r = sm(x)
+    # the rule stops at the first t with pi_t > 0.5, read from the full rollout's logits
+    first = [(row > 0).nonzero() for row in full.stop_logits]
+    want = torch.tensor([int(f[0]) + 1 if len(f) else 5 for f in first])
+    assert torch.equal(r.stop_times, want)
+    for i in range(6):
+        torch.testing.assert_close(r.outputs[i], full.step_outputs[int(want[i]) - 1][i])
+    assert net.block_rows == sum(net.blocks_at(int(t)) for t in want)
+
+
+def test_fixed_depth_counts_blocks():
+    net = small_net(positions=(2, 3), depth=6)
+    net.block_rows = 0
+    with torch.no_grad():
+        run_with_early_exit(net, torch.rand(4, 1, 9, 9), FixedDepth(1))
+    assert net.block_rows == 4 * 2
+
+
+def test_policy_output_shape_any_size():
+    p = DenoisePolicy(num_steps=5, channels=4)
+    for h, w in [(7, 9), (40, 33)]:
+        x = torch.rand(3, 1, h, w)
+        assert p(x, x * 0.9, 2).shape == (3,)
+
+
+def test_heads_only_trains_only_the_heads():
+    net = small_net()
+    view = HeadsOnly(net)
+    names = {n for n, _ in view.named_parameters()}
+    assert names and all(n.startswith("heads.") for n in names)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    opt = torch.optim.SGD(view.parameters(), lr=0.1)
+    view.train()
+    x = torch.rand(4, 1, 12, 12)
+    r = unroll(view, x, target=x, loss_fn=lambda o, t: ((o - t) ** 2).flatten(1).sum(1))
+    r.losses[:, :-1].sum().backward()
+    opt.step()
+    after = net.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith("heads.") for k in changed)
