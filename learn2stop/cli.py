@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     run = RunContext(run_dir=Path(args.run_dir or f"runs/{task_name}-{args.preset}"), ctx=ctx,
                      progress=not args.no_progress, resume=not args.no_resume)
     try:
-        run.prepare(cfg)
+        run.prepare(cfg, args.command)
         spec.commands[args.command](cfg, run)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"learn2stop {task_name} {args.command}: error: {e}", file=sys.stderr)

@@ -28,12 +28,17 @@ class RunContext:
     def device(self):
         return self.ctx.device
 
-    def prepare(self, cfg: Any) -> None:
-        """Create the run directory and save the resolved config beside the checkpoints."""
+    def prepare(self, cfg: Any, command: str = "train") -> None:
+        """Create the run directory and save the resolved config beside the checkpoints.
+
+        Training commands write ``config.yaml``; any other command writes ``config.<command>.yaml``,
+        so that evaluating with other flags never overwrites the record of how the run was trained.
+        """
         self.run_dir = Path(self.run_dir)
         if self.ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            save_yaml(cfg, self.run_dir / "config.yaml")
+            name = "config.yaml" if command in ("train", "reproduce") else f"config.{command}.yaml"
+            save_yaml(cfg, self.run_dir / name)
         self.ctx.barrier()
 
     def log(self, message: str) -> None:
