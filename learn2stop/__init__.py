@@ -3,7 +3,7 @@
 Wrap a step-wise model and a stopping policy in :class:`StoppingModel`, train it stage by stage
 with :class:`StagedTrainer`, and run inference that really skips the remaining steps.
 """
-from .core import *  # noqa: F401,F403
-from .core import __all__ as _core_all  # type: ignore[attr-defined]  # noqa: F401
+from .core import *  # noqa: F401,F403  (the public API is core's __all__)
+from .core import __all__  # noqa: F401
 
 __version__ = "0.1.0"

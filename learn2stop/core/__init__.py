@@ -23,7 +23,7 @@ from .loop import (
     unroll,
 )
 from .objectives import OBJECTIVES, StageConfig, StageObjective
-from .trainer import StagedTrainer, derive_seed, validation_scores
+from .trainer import StagedTrainer, derive_seed, load_finished_stage, validation_scores
 
 __all__ = [
     "entropy",
@@ -51,4 +51,5 @@ __all__ = [
     "StagedTrainer",
     "derive_seed",
     "validation_scores",
+    "load_finished_stage",
 ]

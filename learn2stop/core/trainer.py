@@ -45,6 +45,23 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+def load_finished_stage(module: nn.Module, checkpoint_dir: str | Path, stage: str, map_location: Any = "cpu") -> dict:
+    """Load the selected weights of a finished stage from ``<checkpoint_dir>/<stage>.pt`` into ``module``.
+
+    Returns the stage's training summary. Raises CheckpointError, naming the file, if it is missing,
+    corrupt, from an unfinished stage, or does not fit ``module``.
+    """
+    path = Path(checkpoint_dir) / f"{stage}.pt"
+    ck = load_checkpoint(path, map_location=map_location)
+    if not ck.get("completed"):
+        raise CheckpointError(f"{path} is from an unfinished stage {stage!r}; run the train command again (it resumes)")
+    try:
+        module.load_state_dict(ck["weights"])
+    except (KeyError, RuntimeError) as e:
+        raise CheckpointError(f"{path} does not fit the configured model: {e}") from None
+    return ck.get("summary", {})
+
+
 @torch.no_grad()
 def validation_scores(sm: StoppingModel, batches: Iterable[tuple[Any, Any]], loss_fn, threshold: float = 0.5) -> dict[str, float]:
     """Mean validation loss at the last step, at the best step (oracle), and with early exit by the policy."""

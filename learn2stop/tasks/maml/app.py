@@ -14,8 +14,8 @@ import torch
 from ...core.loop import StoppingModel
 from ...core.objectives import StageConfig
 from ...core.trainer import StagedTrainer, derive_seed
-from ...utils.checkpoint import load_checkpoint
-from ...utils.config import ConfigError, one_of, positive, require
+from ...core.trainer import load_finished_stage
+from ...utils.config import one_of, positive, require
 from ...utils.report import markdown_table, new_figure, save_figure, write_json
 from ..base import RunContext
 from . import data as D
@@ -269,12 +269,8 @@ def train(cfg: MAMLConfig, run: RunContext, data: Data | None = None) -> dict:
 
 def load_trained(cfg: MAMLConfig, run: RunContext) -> tuple[StoppingModel, StoppingModel]:
     maml, stop = build(cfg, run.device)
-    for sm, path in ((maml, run.run_dir / "maml" / "checkpoints" / "maml.pt"),
-                     (stop, run.run_dir / "stop" / "checkpoints" / "stage2.pt")):
-        ck = load_checkpoint(path, map_location=run.device)
-        if not ck.get("completed"):
-            raise ConfigError(f"{path} is from an unfinished run; finish it with `learn2stop maml train` first")
-        sm.load_state_dict(ck["weights"])
+    load_finished_stage(maml, run.run_dir / "maml" / "checkpoints", "maml", map_location=run.device)
+    load_finished_stage(stop, run.run_dir / "stop" / "checkpoints", "stage2", map_location=run.device)
     return maml, stop
 
 

@@ -9,7 +9,6 @@ Python API (the CLI calls exactly these)::
 from __future__ import annotations
 
 import copy
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,9 +16,8 @@ from typing import Any
 
 import torch
 
-from ...core import PolicyRule, StageConfig, StagedTrainer, StoppingModel, log_oracle_distribution, unroll
+from ...core import PolicyRule, StageConfig, StagedTrainer, StoppingModel, load_finished_stage, log_oracle_distribution, unroll
 from ...core.loop import run_with_early_exit
-from ...utils.checkpoint import CheckpointError, load_checkpoint
 from ...utils.config import from_dict, merge, one_of, positive, require, to_dict
 from ...utils.report import markdown_table, write_json
 from ..base import RunContext, TaskSpec, register_task
@@ -254,15 +252,8 @@ def train(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
 
 
 def _load_stage(cfg: SparseConfig, task: SparseRecoveryTask, run_dir: Path, stage: str, device) -> StoppingModel:
-    path = run_dir / "checkpoints" / f"{stage}.pt"
-    ck = load_checkpoint(path, map_location=device)
-    if not ck.get("completed"):
-        raise CheckpointError(f"{path} is from an unfinished stage {stage!r}; run `learn2stop sparse train` first (it resumes)")
     sm = build_lista_stop(cfg, task, with_policy=stage != "baseline").to(device)
-    try:
-        sm.load_state_dict(ck["weights"])
-    except RuntimeError as e:
-        raise CheckpointError(f"{path} does not fit the configured model: {e}") from None
+    load_finished_stage(sm, Path(run_dir) / "checkpoints", stage, map_location=device)
     return sm.eval()
 
 
