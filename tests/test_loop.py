@@ -107,6 +107,8 @@ def test_bad_models_and_rules(toy, gen):
         StoppingModel(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="one batch size"):
         unroll(DictModel(), {"y": torch.randn(3, 3), "z": torch.randn(4, 1)})
+    with pytest.raises(ValueError, match="empty batch"):
+        run_with_early_exit(model, torch.randn(0, 3), FixedDepth())
     with pytest.raises(ValueError, match="bool tensor"):
         run_with_early_exit(model, torch.randn(3, 3), lambda v: torch.zeros(2, dtype=torch.bool))
     with pytest.raises(ValueError, match="one stop logit per sample"):

@@ -54,7 +54,10 @@ def batch_size(tree: Any) -> int:
     sizes = {leaf.shape[0] for leaf in tree_leaves(tree) if leaf.dim() > 0}
     if len(sizes) != 1:
         raise ValueError(f"inputs must be batch-first with one batch size; found batch sizes {sorted(sizes)}")
-    return sizes.pop()
+    size = sizes.pop()
+    if size == 0:
+        raise ValueError("inputs hold an empty batch (batch size 0)")
+    return size
 
 
 def tree_select(tree: Any, index: Tensor) -> Any:
