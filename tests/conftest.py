@@ -82,6 +82,14 @@ class ToyTask:
         return [(y.to(device), x.to(device)) for y, x in self._val]
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """Run a test on the CPU and, where one is present, on a CUDA device."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return torch.device(request.param)
+
+
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)

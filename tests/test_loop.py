@@ -132,3 +132,26 @@ def test_policy_min_step_is_never_called_before(toy, gen):
     assert (r.stop_times == 3).all() and set(calls) == {3}
     q = log_stop_time_distribution(u.stop_logits).exp()
     assert q[:, :2].max() < 1e-12 and torch.allclose(q.sum(1), torch.ones(5))
+
+
+def test_early_exit_and_sampled_stage1_on_each_device(device):
+    """The loop, the rules and the recomputing Stage I objective keep every tensor on the model's device."""
+    from conftest import ToyTask
+    from learn2stop.core import StageConfig, StageObjective
+
+    torch.manual_seed(0)
+    sm = StoppingModel(ToyStepModel(), ToyPolicy()).to(device)
+    task = ToyTask()
+    y, x = task.sample_batch(12, torch.Generator().manual_seed(0), device)
+    times = torch.tensor([1, 2, 3, 4] * 3, device=device)
+    full = unroll(sm.model, y, keep_outputs=True)
+    r = run_with_early_exit(sm.model, y, StopAtTimes(times))
+    picked = torch.stack([full.step_outputs[t - 1][i] for i, t in enumerate(times.tolist())])
+    torch.testing.assert_close(r.outputs, picked)
+    assert r.outputs.device.type == device.type
+    out = sm(y, mode="sample", generator=torch.Generator().manual_seed(1))
+    assert out.stop_times.device.type == device.type
+    cfg = StageConfig(objective="stage1", variant="sampled", recompute=True, beta=0.5)
+    loss, _ = StageObjective(sm, task.loss_fn, cfg)(y, x, torch.Generator().manual_seed(2))
+    loss.backward()
+    assert loss.device.type == device.type and all(p.grad is not None for p in sm.model.parameters())
