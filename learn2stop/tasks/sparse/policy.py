@@ -7,7 +7,8 @@ Two feature sets, one shared MLP over steps:
 - ``"sketch"`` (default): cheap statistics of the same quantities. A fixed random sketch S
   (k x m, k << m) gives S y and the sketched residual S y - (S A) x_t (Johnson-Lindenstrauss:
   their norms track ||y|| and ||y - A x_t||, which reveal the noise level); add log-norms, the
-  l1 norm and support size of x_t, and a one-hot step code. Cost per step: k * n for (S A) x_t,
+  l1 norm and support size of x_t; the step enters as a learned per-step bias of the first layer.
+  Cost per step: k * n for (S A) x_t,
   about k/(m + n) of a LISTA layer.
 """
 from __future__ import annotations
@@ -44,15 +45,20 @@ class SparseStopPolicy(nn.Module):
             S = torch.randn(sketch_dim, m, generator=g) / math.sqrt(sketch_dim)
             self.register_buffer("S", S)
             self.register_buffer("SA", S @ A)  # (k, n): sketched residual at k*n cost per step
-            in_dim = 2 * sketch_dim + 5 + num_steps
+            in_dim = 2 * sketch_dim + 4
         else:
             in_dim = 2 * m + n + 2
-        layers, d = [], in_dim
-        for h in hidden:
-            layers += [nn.Linear(d, h), nn.ELU()]
-            d = h
-        layers.append(nn.Linear(d, 1))
-        self.net = nn.Sequential(*layers)
+        widths = [in_dim, *hidden]
+        self.first = nn.Linear(in_dim, widths[1]) if hidden else nn.Linear(in_dim, 1)
+        # The step enters as a learned per-step bias of the first layer: the same function class as a
+        # one-hot step input, without building and multiplying a (B, T) one-hot matrix at every call.
+        self.step_bias = nn.Parameter(torch.zeros(num_steps, self.first.out_features))
+        layers = []
+        for a, b in zip(widths[1:], widths[2:]):
+            layers += [nn.ELU(), nn.Linear(a, b)]
+        if hidden:
+            layers += [nn.ELU(), nn.Linear(widths[-1], 1)]
+        self.rest = nn.Sequential(*layers)
 
     def get_extra_state(self) -> dict:
         return {"min_step": int(self.min_step)}
@@ -62,20 +68,18 @@ class SparseStopPolicy(nn.Module):
 
     def extract(self, y: Tensor, x: Tensor, t: int) -> Tensor:
         """The feature vector of each sample at step t; shape (B, in_dim)."""
-        B = y.shape[0]
         if self.features == "full":
             pos = torch.tensor([math.sin(t / self.num_steps), math.cos(t / self.num_steps)], device=y.device, dtype=y.dtype)
-            return torch.cat([y, y - x @ self.A.T, x, pos.expand(B, 2)], dim=1)
+            return torch.cat([y, y - x @ self.A.T, x, pos.expand(y.shape[0], 2)], dim=1)
+        eps = 1e-6
         sy = y @ self.S.T  # (B, k)
         sr = sy - x @ self.SA.T  # (B, k) sketched residual
         ny, nr = sy.norm(dim=1, keepdim=True), sr.norm(dim=1, keepdim=True)
         l1 = x.abs().sum(dim=1, keepdim=True)
-        support = (x != 0).float().mean(dim=1, keepdim=True)
-        onehot = torch.zeros(B, self.num_steps, device=y.device, dtype=y.dtype)
-        onehot[:, t - 1] = 1
-        eps = 1e-6
-        stats = torch.cat([ny.add(eps).log(), nr.add(eps).log(), (nr / (ny + eps)).add(eps).log(), l1.add(eps).log(), support], dim=1)
-        return torch.cat([sy / (ny + eps), sr / (nr + eps), stats, onehot], dim=1)
+        support = torch.count_nonzero(x, dim=1).unsqueeze(1).to(x.dtype) / x.shape[1]
+        logs = torch.log(torch.cat([ny, nr, l1], dim=1) + eps)  # log ||Sy||, log ||S r||, log ||x_t||_1
+        return torch.cat([sy / (ny + eps), sr / (nr + eps), logs, support], dim=1)
 
     def forward(self, y: Tensor, x: Tensor, t: int) -> Tensor:
-        return self.net(self.extract(y, x, t)).squeeze(1)
+        h = self.first(self.extract(y, x, t)) + self.step_bias[t - 1]
+        return self.rest(h).squeeze(1)
