@@ -163,7 +163,7 @@ PRESETS: dict[str, dict] = {
 # The release's variants of the paper settings (REFERENCE.md), for comparison.
 PRESETS["release"] = merge(PRESETS["paper"], {
     "problem": {"matrix": "cond5"}, "lista": {"shrinkage": "smooth"},
-    "stage1": {"variant": "marginal"}, "stage2": {"variant": "map"}, "policy": {"features": "full"},
+    "stage1": {"variant": "marginal"}, "stage2": {"variant": "map"}, "policy": {"features": "full", "hidden": [256, 128, 16]},
 })
 
 

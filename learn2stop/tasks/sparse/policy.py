@@ -3,7 +3,8 @@
 Two feature sets, one shared MLP over steps:
 
 - ``"full"``: the release's input [y, y - A x_t, x_t, position] (m + m + n + 2 dims) into a
-  256-128-16 MLP. Its first layer alone costs about as much as a LISTA layer, at every step.
+  MLP (256-128-16 in the ``release`` preset). Its first layer alone costs about as much as a LISTA
+  layer, at every step.
 - ``"sketch"`` (default): cheap statistics of the same quantities. A fixed random sketch S
   (k x m, k << m) gives S y and the sketched residual S y - (S A) x_t (Johnson-Lindenstrauss:
   their norms track ||y|| and ||y - A x_t||, which reveal the noise level); add log-norms, the
