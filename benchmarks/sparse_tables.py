@@ -1,6 +1,6 @@
 """Reproduce the paper's Tables 1 and 2 (sparse recovery) and print them beside the paper's numbers.
 
-    python benchmarks/sparse_tables.py --preset fast     # the paper's problem, ~30-40 min on 2 CPU cores
+    python benchmarks/sparse_tables.py --preset fast     # the paper's problem, 22 min measured (--threads 1)
     python benchmarks/sparse_tables.py --preset paper    # the paper's full schedule (days on CPU; GPU advised)
 
 Presets (see learn2stop/tasks/sparse/app.py): ``paper`` = the paper's settings (100k/50k/40k iterations
