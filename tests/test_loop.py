@@ -11,6 +11,7 @@ from learn2stop.core import (
     ToleranceRule,
     log_stop_time_distribution,
     run_with_early_exit,
+    threshold_stop_times,
     unroll,
 )
 
@@ -50,6 +51,7 @@ def test_policy_threshold_rule_stops_at_first_confident_step(toy, gen):
     above = torch.cat([p > 0.5, torch.ones(50, 1, dtype=torch.bool)], 1)
     expected = above.float().argmax(1) + 1
     assert (r.stop_times == expected).all()
+    assert (threshold_stop_times(full.stop_logits) == r.stop_times).all()
     assert 1 < r.stop_times.float().mean() < 4
     picked = torch.stack([full.step_outputs[t - 1][i] for i, t in enumerate(expected.tolist())])
     torch.testing.assert_close(r.outputs, picked)

@@ -20,6 +20,7 @@ from .loop import (
     StoppingModel,
     ToleranceRule,
     run_with_early_exit,
+    threshold_stop_times,
     unroll,
 )
 from .objectives import OBJECTIVES, StageConfig, StageObjective
@@ -44,6 +45,7 @@ __all__ = [
     "StoppingModel",
     "ToleranceRule",
     "run_with_early_exit",
+    "threshold_stop_times",
     "unroll",
     "OBJECTIVES",
     "StageConfig",

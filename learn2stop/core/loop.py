@@ -284,6 +284,18 @@ def _empty_logits(B: int, device) -> Tensor:
     return torch.zeros(B, 0, device=device)
 
 
+def threshold_stop_times(stop_logits: Tensor, threshold: float = 0.5) -> Tensor:
+    """1-based stop times of the deterministic rule from a full rollout's (B, T-1) stop logits.
+
+    The first t with pi_t > threshold, else T: exactly where :class:`PolicyRule` in threshold mode
+    stops, so a full unroll can score early exit without running the model a second time.
+    """
+    B, Tm1 = stop_logits.shape
+    above = torch.cat([torch.sigmoid(stop_logits) > threshold,
+                       torch.ones(B, 1, dtype=torch.bool, device=stop_logits.device)], dim=1)
+    return above.float().argmax(dim=1) + 1
+
+
 # ----------------------------------------------------------------------------- stop rules
 class FixedDepth:
     """Stop every sample at step ``depth`` (default: T, i.e. never early)."""

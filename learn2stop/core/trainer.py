@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from ..utils.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..utils.config import ConfigError, to_dict
 from ..utils.distributed import DistContext
-from .loop import PolicyRule, StoppingModel, run_with_early_exit, tree_map
+from .loop import StoppingModel, threshold_stop_times, tree_map
 from .objectives import StageConfig, StageObjective
 
 
@@ -70,14 +70,16 @@ def validation_scores(sm: StoppingModel, batches: Iterable[tuple[Any, Any]], los
     totals: dict[str, float] = {"last": 0.0, "oracle": 0.0, "policy": 0.0, "depth": 0.0}
     n = 0
     for inputs, target in batches:
-        r = sm.unroll(inputs, target, loss_fn, use_policy=False)
+        # One full rollout scores all three: early exit returns exactly the full-depth output at
+        # the threshold rule's stop time, so its loss is read off the per-step losses.
+        r = sm.unroll(inputs, target, loss_fn)
         b = r.losses.shape[0]
         totals["last"] += float(r.losses[:, -1].sum())
         totals["oracle"] += float(r.losses.min(dim=1).values.sum())
         if sm.policy is not None:
-            e = run_with_early_exit(sm.model, inputs, PolicyRule(sm.policy, threshold=threshold))
-            totals["policy"] += float(loss_fn(e.outputs, target).sum())
-            totals["depth"] += float(e.stop_times.float().sum())
+            stop = threshold_stop_times(r.stop_logits, threshold)
+            totals["policy"] += float(r.losses.gather(1, stop[:, None] - 1).sum())
+            totals["depth"] += float(stop.float().sum())
         n += b
     sm.train(was_training)
     out = {k: v / max(n, 1) for k, v in totals.items()}
