@@ -39,6 +39,14 @@ def build_parser(task_name: str) -> argparse.ArgumentParser:
     parser.add_argument("--no-resume", action="store_true", help="start stages afresh even if checkpoints exist")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    cal = parser.add_argument_group("calibrate and frontier")
+    cal.add_argument("--budget", type=float, default=None,
+                     help="calibrate: mean steps (or cost) at most this fraction of full depth, in (0, 1]")
+    cal.add_argument("--epsilon", type=float, default=None,
+                     help="calibrate: the metric may be worse than full depth by at most this (risk control)")
+    cal.add_argument("--delta", type=float, default=0.1, help="calibrate: the bound holds with probability >= 1 - delta")
+    cal.add_argument("--rule", default=None, help="calibrate: which rule (default: inference.rule)")
+    cal.add_argument("--no-speed", action="store_true", help="frontier: skip the wall-clock measurements")
     add_config_arguments(parser, spec.config_class)
     return parser
 
@@ -85,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     run = RunContext(run_dir=Path(args.run_dir or f"runs/{task_name}-{args.preset}"), ctx=ctx,
-                     progress=not args.no_progress, resume=not args.no_resume)
+                     progress=not args.no_progress, resume=not args.no_resume,
+                     options={"budget": args.budget, "epsilon": args.epsilon, "delta": args.delta, "rule": args.rule,
+                              "no_speed": args.no_speed})
     try:
         run.prepare(cfg, args.command)
         spec.commands[args.command](cfg, run)

@@ -30,9 +30,9 @@ def test_reproduce_end_to_end_writes_tables_figures_and_resumes(tmp_path, capsys
     # a second run resumes: every stage is found finished, nothing retrains
     mtime = (run / "checkpoints" / "stage1.pt").stat().st_mtime
     trained_config = (run / "config.yaml").read_text()
-    assert main(["sparse", "evaluate", "--run-dir", str(run), "--no-progress", "--policy.threshold", "0.7", *TINY]) == 0
+    assert main(["sparse", "evaluate", "--run-dir", str(run), "--no-progress", "--inference.param", "0.7", *TINY]) == 0
     assert (run / "config.yaml").read_text() == trained_config  # evaluation never rewrites the training record
-    assert "threshold: 0.7" in (run / "config.evaluate.yaml").read_text()
+    assert "param: 0.7" in (run / "config.evaluate.yaml").read_text()
     assert main(["sparse", "train", "--run-dir", str(run), "--no-progress", *TINY]) == 0
     assert (run / "checkpoints" / "stage1.pt").stat().st_mtime == mtime
 

@@ -23,7 +23,14 @@ from .loop import (
     threshold_stop_times,
     unroll,
 )
-from .objectives import OBJECTIVES, StageConfig, StageObjective
+from .calibration import (Calibration, InferenceConfig, calibrate_budget, calibrate_risk, load_calibration,
+                          save_calibration)
+from .distributions import exit_costs, log_cost_oracle_distribution, log_cost_prior
+from .evaluation import Metric, Trace, collect_trace, evaluate_rule
+from .objectives import OBJECTIVES, MethodConfig, StageConfig, StageObjective
+from .pipeline import Stage, StoppingApp, load_stage, run_pipeline
+from .rules import (ConfidenceSignal, EntropySignal, PatienceSignal, PolicySignal, QuantileSignal, SignalRule,
+                    ToleranceSignal, first_crossing, signal_trace)
 from .trainer import StagedTrainer, derive_seed, load_finished_stage, validation_scores
 
 __all__ = [
@@ -48,6 +55,33 @@ __all__ = [
     "threshold_stop_times",
     "unroll",
     "OBJECTIVES",
+    "MethodConfig",
+    "InferenceConfig",
+    "Calibration",
+    "calibrate_budget",
+    "calibrate_risk",
+    "load_calibration",
+    "save_calibration",
+    "exit_costs",
+    "log_cost_prior",
+    "log_cost_oracle_distribution",
+    "Metric",
+    "Trace",
+    "collect_trace",
+    "evaluate_rule",
+    "Stage",
+    "StoppingApp",
+    "load_stage",
+    "run_pipeline",
+    "ConfidenceSignal",
+    "EntropySignal",
+    "PatienceSignal",
+    "PolicySignal",
+    "QuantileSignal",
+    "SignalRule",
+    "ToleranceSignal",
+    "first_crossing",
+    "signal_trace",
     "StageConfig",
     "StageObjective",
     "StagedTrainer",

@@ -160,6 +160,49 @@ def log_depth_prior(num_steps: int, kind: str = "uniform", rate: float = 0.0, de
     return torch.log_softmax(scores, dim=0)
 
 
+def exit_costs(model, device=None) -> Tensor:
+    """Normalised cumulative cost c_t of stopping at step t = 1..T; shape (T,), c_T = 1.
+
+    A step-wise model may declare ``exit_costs`` (any positive, non-decreasing sequence of length T,
+    e.g. cumulative FLOPs or measured seconds); without it every step costs the same, c_t = t / T.
+    Normalising by c_T makes a price on computation read as "loss one would give for the whole model".
+    """
+    T = model.num_steps
+    raw = getattr(model, "exit_costs", None)
+    if raw is None:
+        costs = torch.arange(1, T + 1, dtype=torch.float32)
+    else:
+        costs = torch.as_tensor(raw, dtype=torch.float32).flatten().cpu()
+        if costs.numel() != T:
+            raise ValueError(f"{type(model).__name__}.exit_costs has {costs.numel()} entries; the model has {T} steps")
+        if not torch.isfinite(costs).all() or (costs <= 0).any() or (costs.diff() < 0).any():
+            raise ValueError(f"{type(model).__name__}.exit_costs must be positive and non-decreasing; got {costs.tolist()}")
+    return (costs / costs[-1]).to(device)
+
+
+def log_cost_prior(costs: Tensor, price: float, beta: float) -> Tensor:
+    """The price on computation as a depth prior: log p(t) = log_softmax(-price * c_t / beta); shape (T,).
+
+    q*(t) proportional to exp(-(loss_t + price * c_t) / beta) is exactly the oracle of Eq. 7 under this
+    prior, so a step cost needs no new machinery: every stage that takes a prior takes it.
+    """
+    _check_beta(beta)
+    if not (math.isfinite(price) and price >= 0):
+        raise ValueError(f"price must be a finite number >= 0; got {price!r}")
+    return torch.log_softmax(-price * costs.float() / beta, dim=0)
+
+
+def log_cost_oracle_distribution(losses: Tensor, beta: float, costs: Tensor, price: float,
+                                 log_prior: Tensor | None = None) -> Tensor:
+    """log q*(t) proportional to exp(-(loss_t + price * c_t) / beta) p(t), written out directly; (B, T)."""
+    _check_steps("losses", losses)
+    _check_beta(beta)
+    scores = -(losses + price * _broadcast_prior(costs, losses)) / beta
+    if log_prior is not None:
+        scores = scores + _broadcast_prior(log_prior, losses)
+    return torch.log_softmax(scores, dim=1)
+
+
 def _broadcast_prior(log_prior: Tensor, like: Tensor) -> Tensor:
     if log_prior.dim() == 1:
         log_prior = log_prior.unsqueeze(0)

@@ -6,6 +6,8 @@ an ``nn.Module`` so that DistributedDataParallel can wrap a whole training step.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -15,7 +17,8 @@ from torch import Tensor, nn
 from ..utils.config import non_negative, one_of, positive, require
 from ..utils.registry import Registry
 from . import losses as L
-from .distributions import log_depth_prior, log_oracle_distribution, log_stop_time_distribution, sample_stop_time
+from .distributions import (exit_costs, log_cost_prior, log_depth_prior, log_oracle_distribution,
+                            log_stop_time_distribution, sample_stop_time)
 from .loop import StopAtTimes, StoppingModel, run_with_early_exit
 
 OBJECTIVES: Registry[Callable] = Registry("stage objective")
@@ -35,6 +38,32 @@ SELECTS = {"deep_supervision": "last", "stage1": "oracle", "stage2": "policy", "
 
 
 @dataclass
+class MethodConfig:
+    """The method's settings, declared once and inherited by every stage that does not override them.
+
+    beta: exploration coefficient of the oracle (Eq. 7) and of the beta-VAE objective.
+    prior, prior_rate: the depth prior p(t) (uniform, or geometric with this rate).
+    price: lambda, the price of computation: q*(t) proportional to exp(-(loss_t + lambda c_t) / beta),
+        with c_t the model's normalised cumulative cost of stopping at t (c_T = 1; see ``exit_costs``).
+    """
+
+    beta: float = 1.0
+    prior: str = "uniform"
+    prior_rate: float = 0.0
+    price: float = 0.0
+
+    def __post_init__(self):
+        positive(self.beta, "method.beta")
+        one_of(self.prior, ("uniform", "geometric"), "method.prior")
+        non_negative(self.prior_rate, "method.prior_rate")
+        non_negative(self.price, "method.price")
+
+
+#: the StageConfig fields a stage inherits from :class:`MethodConfig` when left unset (None / "").
+INHERITED = ("beta", "prior", "prior_rate", "price")
+
+
+@dataclass
 class StageConfig:
     """One training stage: its objective and optimisation settings.
 
@@ -43,6 +72,7 @@ class StageConfig:
     recompute: sampled Stage I computes every step's loss without gradients, samples t ~ q*, then
         recomputes only steps 1..t with gradients (the memory-efficient scheme of App. B.2).
     select: validation criterion for keeping the best weights: last|oracle|policy|none; "" = objective's default.
+    beta, prior, prior_rate, price: unset (None / "") inherits the :class:`MethodConfig`'s value.
     """
 
     objective: str = "stage1"
@@ -56,10 +86,11 @@ class StageConfig:
     lr_min_factor: float = 0.0
     warmup: int = 0
     grad_clip: float = 0.0
-    beta: float = 1.0
+    beta: float | None = None
     gamma: float = 1.0
-    prior: str = "uniform"
-    prior_rate: float = 0.0
+    prior: str = ""
+    prior_rate: float | None = None
+    price: float | None = None
     recompute: bool = False
     eval_every: int = 100
     checkpoint_every: int = 100
@@ -79,15 +110,29 @@ class StageConfig:
         require(0 <= self.lr_min_factor <= 1, "lr_min_factor", f"must be in [0, 1]; got {self.lr_min_factor}")
         require(isinstance(self.warmup, int) and self.warmup >= 0, "warmup", f"must be an integer >= 0; got {self.warmup!r}")
         non_negative(self.grad_clip, "grad_clip")
-        positive(self.beta, "beta")
+        if self.beta is not None:
+            positive(self.beta, "beta")
         require(0 < self.gamma <= 1, "gamma", f"must be in (0, 1]; got {self.gamma}")
-        one_of(self.prior, ("uniform", "geometric"), "prior")
-        non_negative(self.prior_rate, "prior_rate")
+        one_of(self.prior, ("", "uniform", "geometric"), "prior")
+        if self.prior_rate is not None:
+            non_negative(self.prior_rate, "prior_rate")
+        if self.price is not None:
+            non_negative(self.price, "price")
         require(isinstance(self.eval_every, int) and self.eval_every >= 1, "eval_every", f"must be an integer >= 1; got {self.eval_every!r}")
         require(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 1, "checkpoint_every", f"must be an integer >= 1; got {self.checkpoint_every!r}")
         if self.select == "":
             self.select = SELECTS[self.objective]
         one_of(self.select, ("last", "oracle", "policy", "none"), "select")
+
+    def inherit(self, method: "MethodConfig | None" = None) -> "StageConfig":
+        """A copy with every unset method-level field taken from ``method`` (defaults if None)."""
+        method = method or MethodConfig()
+        fill = {k: getattr(method, k) for k in INHERITED if getattr(self, k) in (None, "")}
+        return dataclasses.replace(self, **fill) if fill else self
+
+    @property
+    def resolved(self) -> bool:
+        return all(getattr(self, k) not in (None, "") for k in INHERITED)
 
     @property
     def trains(self) -> str:
@@ -99,18 +144,27 @@ class StageConfig:
             return self.lr * (iteration + 1) / self.warmup
         frac = iteration / max(self.iterations, 1)
         if self.lr_schedule == "cosine":
-            import math
-
             floor = self.lr * self.lr_min_factor
             return floor + 0.5 * (self.lr - floor) * (1 + math.cos(math.pi * frac))
         if self.lr_schedule == "step":
             return self.lr * 0.1 ** sum(frac >= f for f in self.lr_decay_at)
         return self.lr
 
-    def log_prior(self, num_steps: int, device=None) -> Tensor | None:
-        if self.prior == "uniform":
-            return None
-        return log_depth_prior(num_steps, "geometric", self.prior_rate, device=device)
+    def log_prior(self, num_steps: int, device=None, costs: Tensor | None = None) -> Tensor | None:
+        """The stage's log p(t): the depth prior plus the price on computation (None if both are flat)."""
+        cfg = self.inherit() if not self.resolved else self
+        out = None
+        if cfg.prior == "geometric" and cfg.prior_rate > 0:
+            out = log_depth_prior(num_steps, "geometric", cfg.prior_rate, device=device)
+        if cfg.price > 0:
+            c = (torch.arange(1, num_steps + 1, dtype=torch.float32) / num_steps) if costs is None else costs
+            cost = log_cost_prior(c.to(device), cfg.price, cfg.beta)
+            out = cost if out is None else torch.log_softmax(out + cost, dim=0)
+        return out
+
+    def model_log_prior(self, model: Any, device=None) -> Tensor | None:
+        """:meth:`log_prior` with the step-wise model's own costs (``exit_costs``)."""
+        return self.log_prior(model.num_steps, device, exit_costs(model))
 
 
 def _summary(losses: Tensor, stop_logits: Tensor | None, beta: float) -> dict[str, float]:
@@ -138,7 +192,7 @@ def deep_supervision(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfi
 @OBJECTIVES.register("stage1")
 def stage1(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfig, generator) -> tuple[Tensor, dict]:
     """Stage I: fit theta with the oracle q*_theta (Eq. 8), exact, marginal, or sampled t ~ q*."""
-    prior = cfg.log_prior(sm.num_steps)
+    prior = cfg.model_log_prior(sm.model)
     if cfg.variant == "sampled" and cfg.recompute:
         with torch.no_grad():
             losses = sm.unroll(inputs, target, loss_fn, use_policy=False).losses
@@ -161,7 +215,7 @@ def stage2(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfig, generat
     """Stage II: theta frozen; fit pi_phi to the oracle by forward KL, MAP target or reverse KL."""
     _need_policy(sm)
     r = sm.unroll(inputs, target, loss_fn, model_grad=False)
-    prior = cfg.log_prior(sm.num_steps)
+    prior = cfg.model_log_prior(sm.model)
     if cfg.variant == "forward_kl":
         loss = L.stage2_forward_kl(r.stop_logits, r.losses, cfg.beta, prior)
     elif cfg.variant == "map":
@@ -176,7 +230,7 @@ def stage3(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfig, generat
     """Stage III (and AEVB from scratch): theta and phi together on the beta-VAE objective (Eq. 5)."""
     _need_policy(sm)
     r = sm.unroll(inputs, target, loss_fn)
-    loss = L.beta_vae_loss(r.stop_logits, r.losses, cfg.beta, cfg.log_prior(sm.num_steps))
+    loss = L.beta_vae_loss(r.stop_logits, r.losses, cfg.beta, cfg.model_log_prior(sm.model))
     return loss, _summary(r.losses.detach(), r.stop_logits.detach(), cfg.beta)
 
 
@@ -199,7 +253,7 @@ class StageObjective(nn.Module):
         super().__init__()
         self.stopping_model = stopping_model
         self.loss_fn = loss_fn
-        self.cfg = cfg
+        self.cfg = cfg if cfg.resolved else cfg.inherit()
         self._fn = OBJECTIVES.get(cfg.objective)
 
     def forward(self, inputs: Any, target: Any, generator: torch.Generator | None = None):

@@ -27,8 +27,10 @@ from tqdm.auto import tqdm
 from ..utils.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..utils.config import ConfigError, to_dict
 from ..utils.distributed import DistContext
-from .loop import StoppingModel, threshold_stop_times, tree_map
+from .calibration import InferenceConfig
+from .loop import StoppingModel, tree_map
 from .objectives import StageConfig, StageObjective
+from .rules import first_crossing, signal_trace
 
 
 class TrainingTask(Protocol):
@@ -63,21 +65,29 @@ def load_finished_stage(module: nn.Module, checkpoint_dir: str | Path, stage: st
 
 
 @torch.no_grad()
-def validation_scores(sm: StoppingModel, batches: Iterable[tuple[Any, Any]], loss_fn, threshold: float = 0.5) -> dict[str, float]:
-    """Mean validation loss at the last step, at the best step (oracle), and with early exit by the policy."""
+def validation_scores(sm: StoppingModel, batches: Iterable[tuple[Any, Any]], loss_fn,
+                      inference: InferenceConfig | None = None, seed: int = 0) -> dict[str, float]:
+    """Mean validation loss at the last step, at the best step (oracle), and with early exit by the
+    policy under ``inference``: the same rule evaluation uses (default: :class:`InferenceConfig`)."""
+    inference = inference or InferenceConfig()
     was_training = sm.training
     sm.eval()
     totals: dict[str, float] = {"last": 0.0, "oracle": 0.0, "policy": 0.0, "depth": 0.0}
     n = 0
+    gen = torch.Generator().manual_seed(seed)
     for inputs, target in batches:
         # One full rollout scores all three: early exit returns exactly the full-depth output at
-        # the threshold rule's stop time, so its loss is read off the per-step losses.
-        r = sm.unroll(inputs, target, loss_fn)
+        # the rule's stop time, so its loss is read off the per-step losses.
+        r = sm.unroll(inputs, target, loss_fn, keep_outputs=not inference.uses_policy)
         b = r.losses.shape[0]
         totals["last"] += float(r.losses[:, -1].sum())
         totals["oracle"] += float(r.losses.min(dim=1).values.sum())
         if sm.policy is not None:
-            stop = threshold_stop_times(r.stop_logits, threshold)
+            if inference.uses_policy:
+                stop = inference.stop_times(r, gen)
+            else:
+                stop = first_crossing(signal_trace(inference.signal(sm.policy), r.step_outputs, inputs),
+                                      inference.signal(sm.policy).from_param(inference.param))
             totals["policy"] += float(r.losses.gather(1, stop[:, None] - 1).sum())
             totals["depth"] += float(stop.float().sum())
         n += b
@@ -102,8 +112,10 @@ class StagedTrainer:
     """
 
     def __init__(self, stopping_model: StoppingModel, task: TrainingTask, run_dir: str | Path, *, seed: int = 0,
-                 ctx: DistContext | None = None, progress: bool = True, resume: bool = True):
+                 ctx: DistContext | None = None, progress: bool = True, resume: bool = True,
+                 inference: InferenceConfig | None = None):
         self.sm = stopping_model
+        self.inference = inference or InferenceConfig()
         self.task = task
         self.run_dir = Path(run_dir)
         self.seed = seed
@@ -139,7 +151,8 @@ class StagedTrainer:
             self.sm.policy.train(cfg.trains in ("policy", "both"))
 
     def _validate(self, cfg: StageConfig) -> dict[str, float]:
-        return validation_scores(self.sm, self.task.validation_batches(self.ctx.device), self.task.loss_fn)
+        return validation_scores(self.sm, self.task.validation_batches(self.ctx.device), self.task.loss_fn,
+                                 self.inference, seed=derive_seed(self.seed, "validation"))
 
     def _state(self) -> dict:
         # Tensors are copied; a module's extra state (plain values) passes through.
@@ -152,6 +165,7 @@ class StagedTrainer:
         Returns a summary dict: the stage name, iterations run, best validation score and
         wall-clock seconds.
         """
+        cfg = cfg if cfg.resolved else cfg.inherit()
         path, best_path = self.ckpt_dir / f"{name}.pt", self.ckpt_dir / f"{name}_best.pt"
         params = self._trainable(cfg)
         opt = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)

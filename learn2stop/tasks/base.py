@@ -23,6 +23,7 @@ class RunContext:
     ctx: DistContext = field(default_factory=DistContext)
     progress: bool = True
     resume: bool = True
+    options: dict = field(default_factory=dict)  # command-specific flags (--budget, --epsilon, ...)
 
     @property
     def device(self):
@@ -56,12 +57,30 @@ class TaskSpec:
     presets: dict[str, dict]
     commands: dict[str, Callable[[Any, RunContext], dict]]
     default_preset: str = "quick"
+    app: Any = None  # the task's StoppingApp: adds the core's calibrate and frontier commands
 
 
 TASKS: Registry[TaskSpec] = Registry("task")
 
+#: commands that only read a trained run (they never write config.yaml)
+READ_ONLY = ("evaluate", "calibrate", "frontier")
+
 
 def register_task(spec: TaskSpec) -> TaskSpec:
+    """Register a task; a task with a :class:`StoppingApp` gets ``calibrate`` and ``frontier`` too."""
+    if spec.app is not None:
+        from ..core.pipeline import calibrate_command, frontier_command
+
+        def calibrate(cfg, run):
+            o = run.options
+            return calibrate_command(spec.app, cfg, run, budget=o.get("budget"), epsilon=o.get("epsilon"),
+                                     delta=o.get("delta", 0.1), rule=o.get("rule"))
+
+        def frontier(cfg, run):
+            return frontier_command(spec.app, cfg, run, speed=not run.options.get("no_speed", False))
+
+        spec.commands.setdefault("calibrate", calibrate)
+        spec.commands.setdefault("frontier", frontier)
     TASKS.register(spec.name)(spec)
     return spec
 

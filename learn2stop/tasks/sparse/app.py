@@ -8,7 +8,6 @@ Python API (the CLI calls exactly these)::
 """
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,15 +15,17 @@ from typing import Any
 
 import torch
 
-from ...core import (PolicyRule, StageConfig, StagedTrainer, StoppingModel, load_finished_stage, log_oracle_distribution,
-                     log_stop_time_distribution, unroll)
-from ...core.loop import run_with_early_exit
+from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, log_oracle_distribution
+from ...core.evaluation import collect_trace, evaluate_rule
+from ...core.loop import unroll
+from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage, run_pipeline, stop_model_trace
+from ...core.rules import ToleranceSignal
 from ...utils.config import from_dict, merge, one_of, positive, require, to_dict
 from ...utils.report import markdown_table, write_json
 from ..base import RunContext, TaskSpec, register_task
 from .models import FISTA, ISTA, LISTA
 from .policy import SparseStopPolicy
-from .problem import ProblemConfig, SparseBatch, nmse_by_snr
+from .problem import ProblemConfig, SparseBatch
 from .task import SparseRecoveryTask
 
 PAPER_TABLE1 = {  # Table 1 of the paper: NMSE (dB) mixed / 20 / 30 / 40
@@ -58,7 +59,7 @@ class LISTAConfig:
 
 @dataclass
 class PolicyConfig:
-    """The stopping policy and how it is used at test time.
+    """The stopping policy's architecture (how it is used at test time is ``inference``).
 
     min_mass: steps before the first one whose mean validation oracle mass q*(t) exceeds this
         become ``min_step`` (the policy is not evaluated there); 0 disables it.
@@ -68,15 +69,12 @@ class PolicyConfig:
     sketch_dim: int = 32
     hidden: tuple[int, ...] = (64, 64)
     min_mass: float = 0.001
-    mode: str = "threshold"
-    threshold: float = 0.5
 
     def __post_init__(self):
         one_of(self.features, ("sketch", "full"), "features")
         require(isinstance(self.sketch_dim, int) and self.sketch_dim >= 1, "sketch_dim", "must be an integer >= 1")
+        require(all(isinstance(h, int) and h >= 1 for h in self.hidden), "hidden", f"widths must be integers >= 1; got {self.hidden}")
         require(0 <= self.min_mass < 1, "min_mass", f"must be in [0, 1); got {self.min_mass}")
-        one_of(self.mode, ("threshold", "sample"), "mode")
-        require(0 < self.threshold < 1, "threshold", f"must be in (0, 1); got {self.threshold}")
 
 
 @dataclass
@@ -101,22 +99,28 @@ def _stage(**kw) -> Any:
 
 @dataclass
 class SparseConfig:
-    """Everything a sparse-recovery run needs. Defaults are the paper preset."""
+    """Everything a sparse-recovery run needs. Defaults are the paper preset.
+
+    method: beta (0.28 in the paper), depth prior and price on steps, inherited by every stage.
+    inference: the test-time stop rule (replaced by ``calibration.json`` once a run is calibrated).
+    """
 
     seed: int = 0
     problem: ProblemConfig = field(default_factory=ProblemConfig)
     lista: LISTAConfig = field(default_factory=LISTAConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    method: MethodConfig = field(default_factory=lambda: MethodConfig(beta=0.28))
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
     classical: ClassicalConfig = field(default_factory=ClassicalConfig)
     baseline: StageConfig = _stage(objective="deep_supervision", gamma=1.0, iterations=100_000, batch_size=512,
                                    lr=1e-4, weight_decay=1e-4, eval_every=1000, checkpoint_every=1000)
-    stage1: StageConfig = _stage(objective="stage1", variant="expected", beta=0.28, iterations=50_000, batch_size=1024,
+    stage1: StageConfig = _stage(objective="stage1", variant="expected", iterations=50_000, batch_size=1024,
                                  lr=1e-4, weight_decay=1e-4, eval_every=1000, checkpoint_every=1000)
-    stage2: StageConfig = _stage(objective="stage2", variant="forward_kl", beta=0.28, iterations=40_000, batch_size=256,
+    stage2: StageConfig = _stage(objective="stage2", variant="forward_kl", iterations=40_000, batch_size=256,
                                  lr=1e-3, weight_decay=1e-4, eval_every=1000, checkpoint_every=1000)
-    stage3: StageConfig = _stage(objective="stage3", beta=0.28, iterations=10_000, batch_size=1024,
+    stage3: StageConfig = _stage(objective="stage3", iterations=10_000, batch_size=1024,
                                  lr=1e-5, weight_decay=1e-4, eval_every=1000, checkpoint_every=1000)
-    aevb: StageConfig = _stage(objective="aevb", beta=0.28, iterations=50_000, batch_size=1024,
+    aevb: StageConfig = _stage(objective="aevb", iterations=50_000, batch_size=1024,
                                lr=1e-4, weight_decay=1e-4, eval_every=1000, checkpoint_every=1000)
     stage1_init: str = "ista"
     run_stage3: bool = True
@@ -124,12 +128,13 @@ class SparseConfig:
     eval_batch: int = 1000
 
     def __post_init__(self):
-        require(self.eval_batch >= 1, "eval_batch", "must be >= 1")
+        require(isinstance(self.eval_batch, int) and self.eval_batch >= 1, "eval_batch", "must be an integer >= 1")
         one_of(self.stage1_init, ("ista", "baseline"), "stage1_init")
         for name in ("baseline", "stage1", "stage2", "stage3", "aevb"):
             expected = {"baseline": "deep_supervision"}.get(name, name)
             got = getattr(self, name).objective
             require(got == expected, f"{name}.objective", f"must be {expected!r} for this stage; got {got!r}")
+        require(self.lista.num_steps >= 2, "lista.num_steps", "a stopping policy needs T >= 2 steps")
 
 
 def _efficient_schedule(iterations: int, every: int, lr: float = 1e-3) -> dict:
@@ -175,21 +180,10 @@ def preset(name: str = "quick", **overrides: Any) -> SparseConfig:
     return from_dict(SparseConfig, merge(merge(to_dict(SparseConfig()), PRESETS[name]), overrides))
 
 
-# ----------------------------------------------------------------------------- building blocks
-def build_lista_stop(cfg: SparseConfig, task: SparseRecoveryTask, with_policy: bool = True) -> StoppingModel:
-    """LISTA (ISTA-initialised) plus, optionally, its stopping policy, as one StoppingModel."""
-    torch.manual_seed(cfg.seed)  # the policy's initial weights
-    lista = LISTA(task.A, cfg.lista.num_steps, cfg.lista.L, cfg.lista.rho, cfg.lista.shrinkage)
-    policy = None
-    if with_policy:
-        p = cfg.policy
-        policy = SparseStopPolicy(task.A, cfg.lista.num_steps, p.features, p.sketch_dim, p.hidden, seed=cfg.seed)
-    return StoppingModel(lista, policy)
-
-
+# ----------------------------------------------------------------------------- the pipeline
 @torch.no_grad()
-def choose_min_step(sm: StoppingModel, task: SparseRecoveryTask, beta: float, min_mass: float, device) -> int:
-    """First step whose mean validation oracle mass exceeds ``min_mass`` (1 if min_mass = 0).
+def choose_min_step(sm: StoppingModel, task: SparseRecoveryTask, method: MethodConfig, min_mass: float, device) -> int:
+    """First step whose mean validation oracle mass (with the method's prior and price) exceeds ``min_mass``.
 
     Earlier steps are never the oracle's choice, so the policy is not evaluated there: an
     explicit, reported minimum depth (the release applies the same cut silently).
@@ -197,19 +191,86 @@ def choose_min_step(sm: StoppingModel, task: SparseRecoveryTask, beta: float, mi
     if min_mass <= 0:
         return 1
     sm.eval()
-    mass = torch.zeros(sm.num_steps, device=device)
-    n = 0
+    prior = StageConfig(objective="stage2").inherit(method).model_log_prior(sm.model, device)
+    mass, n = torch.zeros(sm.num_steps, device=device), 0
     for y, x in task.validation_batches(device):
         r = sm.unroll(y, x, task.loss_fn, use_policy=False)
-        mass += log_oracle_distribution(r.losses, beta).exp().sum(0)
+        mass += log_oracle_distribution(r.losses, method.beta, prior).exp().sum(0)
         n += y.shape[0]
-    mass /= n
-    above = (mass > min_mass).nonzero()
+    above = (mass / n > min_mass).nonzero()
     return int(above[0]) + 1 if above.numel() else sm.num_steps
 
 
-def _trainer(sm, task, run: RunContext, cfg: SparseConfig) -> StagedTrainer:
-    return StagedTrainer(sm, task, run.run_dir, seed=cfg.seed, ctx=run.ctx, progress=run.progress, resume=run.resume)
+class SparseApp(StoppingApp):
+    """LISTA-stop on the core pipeline: LISTA baseline, Stage I, II, optional III, AEVB."""
+
+    def __init__(self):
+        self._tasks: dict[str, SparseRecoveryTask] = {}
+
+    def task(self, cfg: SparseConfig) -> SparseRecoveryTask:
+        key = repr(to_dict(cfg.problem))
+        if key not in self._tasks:
+            self._tasks = {key: SparseRecoveryTask(cfg.problem)}
+        return self._tasks[key]
+
+    def build_models(self, cfg: SparseConfig, device) -> dict[str, StoppingModel]:
+        task, L = self.task(cfg), cfg.lista
+        torch.manual_seed(cfg.seed)  # LISTA's ISTA initialisation is deterministic; the policies are seeded here
+        out = {}
+        for key in ("baseline", "stop", "stage3", "aevb"):
+            lista = LISTA(task.A, L.num_steps, L.L, L.rho, L.shrinkage)
+            p = cfg.policy
+            policy = None if key == "baseline" else SparseStopPolicy(task.A, L.num_steps, p.features, p.sketch_dim, p.hidden, seed=cfg.seed)
+            out[key] = StoppingModel(lista, policy).to(device)
+        return out
+
+    def training_task(self, cfg, key, sm):
+        return self.task(cfg)
+
+    def stages(self, cfg: SparseConfig) -> list[Stage]:
+        def min_step(models, app, cfg, run):
+            sm = models["stop"]
+            sm.policy.min_step = choose_min_step(sm, self.task(cfg), app.method(cfg), cfg.policy.min_mass, run.device)
+            run.log(f"      policy evaluated from step {sm.policy.min_step} (oracle mass below {cfg.policy.min_mass} before it)")
+
+        stages = [Stage("baseline", "baseline", cfg.baseline, describe="LISTA: sum_t gamma^(T-t) ||x_t - x*||^2"),
+                  Stage("stage1", "stop", cfg.stage1, init_from="baseline" if cfg.stage1_init == "baseline" else None,
+                        describe=f"LISTA-stop Stage I (from {cfg.stage1_init} weights)"),
+                  Stage("stage2", "stop", cfg.stage2, before=min_step, describe="LISTA-stop Stage II (policy)")]
+        if cfg.run_stage3:
+            stages.append(Stage("stage3", "stage3", cfg.stage3, init_from="stop", init_part="all",
+                                describe="Stage III (beta-VAE fine-tuning of both)"))
+        if cfg.run_aevb:
+            stages.append(Stage("aevb", "aevb", cfg.aevb, describe="AEVB: theta and phi jointly from the start"))
+        return stages
+
+    def eval_batches(self, cfg: SparseConfig, split: str, device):
+        data = self.task(cfg).test if split == "test" else self.task(cfg).val
+        return [(data.y[i:i + cfg.eval_batch].to(device), data.x[i:i + cfg.eval_batch].to(device))
+                for i in range(0, len(data), cfg.eval_batch)]
+
+    def metric(self, cfg) -> Metric:
+        return Metric("NMSE (dB)", SparseRecoveryTask.loss_fn, lower_is_better=True,
+                      aggregate=lambda v, ex: 10 * torch.log10(v.double().sum() / ex["energy"].double().sum()))
+
+    def trace_extras(self, cfg):
+        return lambda y, x: {"energy": x.pow(2).sum(dim=1)}
+
+    def classical_signals(self, cfg):
+        return {"tolerance": ToleranceSignal}
+
+    def risk_losses(self, cfg, trace):
+        """Excess squared error over full depth, per unit of mean signal energy (NMSE in linear units)."""
+        scale = trace.extras["energy"].double().mean().float()
+        return (trace.metric - trace.metric[:, -1:]) / scale, None
+
+
+APP = SparseApp()
+
+
+def build_lista_stop(cfg: SparseConfig, task: SparseRecoveryTask | None = None, with_policy: bool = True) -> StoppingModel:
+    """LISTA (ISTA-initialised) plus, optionally, its stopping policy, as one StoppingModel (on CPU)."""
+    return APP.build_models(cfg, "cpu")["stop" if with_policy else "baseline"]
 
 
 def _as_run(run: RunContext | str | Path) -> RunContext:
@@ -221,69 +282,7 @@ def train(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
     """Train LISTA (baseline), LISTA-stop (Stage I, II and optionally III) and AEVB; resumable."""
     run = _as_run(run)
     run.prepare(cfg)
-    task = SparseRecoveryTask(cfg.problem)
-    dev = run.device
-    summaries = {}
-
-    baseline = build_lista_stop(cfg, task, with_policy=False).to(dev)
-    run.log("[1/5] LISTA baseline: sum_t gamma^(T-t) ||x_t - x*||^2")
-    summaries["baseline"] = _trainer(baseline, task, run, cfg).fit("baseline", cfg.baseline)
-
-    sm = build_lista_stop(cfg, task).to(dev)
-    if cfg.stage1_init == "baseline":
-        # Uniform deep supervision is Stage I's beta -> infinity limit: starting from it anneals beta.
-        sm.model.load_state_dict(baseline.model.state_dict())
-    trainer = _trainer(sm, task, run, cfg)
-    run.log(f"[2/5] LISTA-stop Stage I ({cfg.stage1.variant}, beta={cfg.stage1.beta}, from {cfg.stage1_init} weights)")
-    summaries["stage1"] = trainer.fit("stage1", cfg.stage1)
-    sm.policy.min_step = choose_min_step(sm, task, cfg.stage1.beta, cfg.policy.min_mass, dev)
-    run.log(f"      policy evaluated from step {sm.policy.min_step} (oracle mass below {cfg.policy.min_mass} before it)")
-    run.log(f"[3/5] LISTA-stop Stage II ({cfg.stage2.variant})")
-    summaries["stage2"] = trainer.fit("stage2", cfg.stage2)
-
-    if cfg.run_stage3:
-        run.log("[4/5] LISTA-stop Stage III (beta-VAE fine-tuning of both)")
-        sm3 = copy.deepcopy(sm)
-        summaries["stage3"] = _trainer(sm3, task, run, cfg).fit("stage3", cfg.stage3)
-    if cfg.run_aevb:
-        run.log("[5/5] AEVB baseline: theta and phi jointly from the start")
-        aevb = build_lista_stop(cfg, task).to(dev)
-        summaries["aevb"] = _trainer(aevb, task, run, cfg).fit("aevb", cfg.aevb)
-    if run.ctx.is_main:
-        write_json(summaries, run.run_dir / "training_summary.json")
-    return summaries
-
-
-def _load_stage(cfg: SparseConfig, task: SparseRecoveryTask, run_dir: Path, stage: str, device) -> StoppingModel:
-    sm = build_lista_stop(cfg, task, with_policy=stage != "baseline").to(device)
-    load_finished_stage(sm, Path(run_dir) / "checkpoints", stage, map_location=device)
-    return sm.eval()
-
-
-@torch.no_grad()
-def _predict_stop(sm: StoppingModel, data: SparseBatch, cfg: SparseConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Early-exit estimates and stop times for a whole set, in chunks."""
-    outs, times = [], []
-    gen = torch.Generator().manual_seed(cfg.seed)
-    for i in range(0, len(data), cfg.eval_batch):
-        y = data.y[i:i + cfg.eval_batch].to(device)
-        r = run_with_early_exit(sm.model, y, PolicyRule(sm.policy, cfg.policy.mode, cfg.policy.threshold, gen))
-        outs.append(r.outputs.cpu())
-        times.append(r.stop_times.cpu())
-    return torch.cat(outs), torch.cat(times)
-
-
-@torch.no_grad()
-def _per_step(model, data: SparseBatch, cfg: SparseConfig, device, policy=None):
-    """Every step's estimate error ||x_t - x*||^2 (N, T) and, with a policy, q_phi (N, T)."""
-    errs, qs = [], []
-    for i in range(0, len(data), cfg.eval_batch):
-        y, x = data.y[i:i + cfg.eval_batch].to(device), data.x[i:i + cfg.eval_batch].to(device)
-        r = unroll(model, y, target=x, loss_fn=SparseRecoveryTask.loss_fn, policy=policy)
-        errs.append(r.losses.cpu())
-        if policy is not None:
-            qs.append(log_stop_time_distribution(r.stop_logits).exp().cpu())
-    return torch.cat(errs), (torch.cat(qs) if qs else None)
+    return run_pipeline(APP, cfg, run)
 
 
 @torch.no_grad()
@@ -319,50 +318,55 @@ def tune_classical(cfg: SparseConfig, task: SparseRecoveryTask, algorithm: str, 
 
 
 def evaluate(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
-    """Evaluate every trained model and the tuned ISTA/FISTA on the fixed test set; write tables and plots."""
+    """Evaluate every trained model and the tuned ISTA/FISTA on the fixed test set; write tables and plots.
+
+    The stop models run real early exit with the deployed rule (the run's calibration if any,
+    else ``inference``).
+    """
     run = _as_run(run)
-    dev = run.device
-    task = SparseRecoveryTask(cfg.problem)
-    test = task.test
-    T = cfg.lista.num_steps
+    dev, task, metric = run.device, APP.task(cfg), APP.metric(cfg)
+    test, batches, T = APP.task(cfg).test, APP.eval_batches(cfg, "test", dev), cfg.lista.num_steps
     results: dict[str, Any] = {"rows": {}, "depth": {}, "classical": {}}
-    per_step_curves: dict[str, list[float]] = {}
+    curves: dict[str, list[float]] = {}
+
+    def per_step(model) -> torch.Tensor:  # (N, T) squared errors of every step
+        return collect_trace(model, batches, metric, dev).metric
 
     t0 = time.perf_counter()
-    for algo in ("ISTA", "FISTA"):
+    for algo, cls in (("ISTA", ISTA), ("FISTA", FISTA)):
         tuned = tune_classical(cfg, task, algo, dev)
         for depth in cfg.classical.depths:
-            params = tuned[depth]
-            model = {"ISTA": ISTA, "FISTA": FISTA}[algo](task.A, depth, params["L"], params["rho"]).to(dev)
-            errs, _ = _per_step(model, test, cfg, dev)
-            name = f"{algo} (T={depth})"
-            results["classical"][name] = params
-            results["rows"][name] = _nmse_from_errors(errs[:, -1], test)
+            errs = per_step(cls(task.A, depth, tuned[depth]["L"], tuned[depth]["rho"]).to(dev))
+            results["classical"][f"{algo} (T={depth})"] = tuned[depth]
+            results["rows"][f"{algo} (T={depth})"] = _nmse_from_errors(errs[:, -1], test)
             if depth == max(cfg.classical.depths):
-                per_step_curves[algo] = _curve(errs, test)
+                curves[algo] = _curve(errs, test)
     run.log(f"classical baselines tuned and evaluated in {time.perf_counter() - t0:.1f}s")
 
-    base = _load_stage(cfg, task, run.run_dir, "baseline", dev)
-    errs, _ = _per_step(base.model, test, cfg, dev)
+    errs = per_step(load_stage(APP, cfg, run.run_dir, "baseline", dev).model)
     results["rows"][f"LISTA (T={T})"] = _nmse_from_errors(errs[:, -1], test)
-    per_step_curves["LISTA"] = _curve(errs, test)
+    curves["LISTA"] = _curve(errs, test)
 
-    stop_models = {"Stage I+II": "stage2"}
-    if cfg.run_stage3:
-        stop_models["Stage I+II+III"] = "stage3"
-    if cfg.run_aevb:
-        stop_models["AEVB"] = "aevb"
+    stop_models = {"Stage I+II": "stage2", "Stage I+II+III": "stage3" if cfg.run_stage3 else None,
+                   "AEVB": "aevb" if cfg.run_aevb else None}
     q_main = errs_main = None
     for label, stage in stop_models.items():
-        sm = _load_stage(cfg, task, run.run_dir, stage, dev)
-        est, times = _predict_stop(sm, test, cfg, dev)
-        results["rows"][label] = nmse_by_snr(est, test)
+        if stage is None:
+            continue
+        sm = load_stage(APP, cfg, run.run_dir, stage, dev)
+        rule, desc = deployed_rule(APP, cfg, run.run_dir if stage == "stage2" else None, sm,
+                                   generator=torch.Generator().manual_seed(cfg.seed))
+        r = evaluate_rule(sm.model, batches, lambda: rule, metric, dev, extras=APP.trace_extras(cfg))
+        times = r["stop_times"]
+        results["rows"][label] = _nmse_from_errors(r["values"], test)
         results["depth"][label] = {"mean": float(times.float().mean()),
                                    **{f"{s:g}": float(times[test.snr == s].float().mean()) for s in cfg.problem.snrs}}
         if stage == "stage2":
+            results["rule"] = desc
             results["rows"][f"LISTA-stop (T<={T})"] = results["rows"][label]
             results["depth"][f"LISTA-stop (T<={T})"] = results["depth"][label]
-            errs_main, q_main = _per_step(sm.model, test, cfg, dev, policy=sm.policy)
+            trace = stop_model_trace(APP, cfg, sm, "test", dev, with_classical=False)
+            errs_main, q_main = trace.metric, _stop_distribution(sm, batches, dev)
             results["oracle_nmse"] = _nmse_from_errors(errs_main.min(dim=1).values, test)  # needs x*: a bound
             results["min_step"] = int(sm.policy.min_step)
 
@@ -372,11 +376,21 @@ def evaluate(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
         (run.run_dir / "table1.md").write_text(table1 + "\n")
         (run.run_dir / "table2.md").write_text(table2 + "\n")
         write_json({k: v for k, v in results.items() if not k.startswith("table")}, run.run_dir / "results.json")
-        _figure4(q_main, errs_main, test, per_step_curves, run.run_dir)
+        _figure4(q_main, errs_main, test, curves, run.run_dir)
+        run.log(f"\nLISTA-stop stops with the {results.get('rule')}")
         run.log("\nTable 1: NMSE (dB) on the test set; paper's value in parentheses\n" + table1)
         run.log("\nTable 2: training algorithms for LISTA-stop\n" + table2)
         run.log(f"\nwritten: {run.run_dir}/table1.md, table2.md, results.json, fig4_stop_distribution.png, fig4_convergence.png")
     return results
+
+
+@torch.no_grad()
+def _stop_distribution(sm: StoppingModel, batches, device) -> torch.Tensor:
+    """q_phi(t | y) of every test sample (N, T), for Figure 4a."""
+    from ...core import log_stop_time_distribution
+
+    return torch.cat([log_stop_time_distribution(unroll(sm.model, y, policy=sm.policy, model_grad=False).stop_logits).exp().cpu()
+                      for y, _ in batches])
 
 
 def reproduce(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
@@ -463,4 +477,5 @@ SPEC = register_task(TaskSpec(
     config_class=SparseConfig,
     presets=PRESETS,
     commands={"train": train, "evaluate": evaluate, "reproduce": reproduce},
+    app=APP,
 ))

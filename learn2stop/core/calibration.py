@@ -1,0 +1,307 @@
+"""The inference setting (which stop rule, which parameter) and its calibration on held-out data.
+
+One :class:`InferenceConfig` decides how a trained model stops, everywhere: validation during
+training, evaluation, the frontier, benchmarks, the CLI and the Python API. A calibrator sets its
+parameter on held-out data for what the user asks:
+
+- :func:`calibrate_budget`: the most generous rule whose mean cost (steps, or the model's
+  ``exit_costs`` such as FLOPs) is at most a budget B, as a fraction of full depth;
+- :func:`calibrate_risk`: the cheapest rule whose metric is worse than full depth by at most
+  epsilon, with the Learn-then-Test guarantee (Angelopoulos et al. 2021, as used by CALM): on new
+  data drawn like the calibration data, the bound holds with probability at least 1 - delta.
+
+Both work on a (N, T-1) score trace of one signal (see :mod:`learn2stop.core.rules`): the stop time
+of threshold lam is the first t whose running maximum of scores reaches lam, so every candidate
+threshold is scored at once without running the model again.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..utils.config import ConfigError, one_of, require
+from .loop import PolicyRule, Rollout
+from .rules import SIGNALS, SignalRule, first_crossing, sampled_stop_times
+
+POLICY_RULES = ("threshold", "quantile")
+CALIBRATION_FILE = "calibration.json"
+
+
+@dataclass
+class InferenceConfig:
+    """How a trained stopping model stops at test time.
+
+    rule: ``quantile`` (stop once q_phi's CDF reaches ``param`` = alpha), ``threshold`` (stop when
+        pi_t >= ``param``), or a classical rule (``tolerance``, ``confidence``, ``entropy``, ``patience``).
+    param: the rule's parameter.
+    sampled: stop with probability pi_t instead (the paper's stochastic q_phi); ignores rule/param.
+    use_calibrated: use ``calibration.json`` of the run directory when it exists.
+    """
+
+    rule: str = "quantile"
+    param: float = 0.5
+    sampled: bool = False
+    use_calibrated: bool = True
+
+    def __post_init__(self):
+        one_of(self.rule, list(SIGNALS), "inference.rule")
+        require(isinstance(self.param, (int, float)) and math.isfinite(self.param), "inference.param",
+                f"must be a finite number; got {self.param!r}")
+        if self.rule in POLICY_RULES:
+            require(0 < self.param <= 1, "inference.param", f"a {self.rule} rule's parameter must be in (0, 1]; got {self.param}")
+
+    @property
+    def uses_policy(self) -> bool:
+        return self.sampled or self.rule in POLICY_RULES
+
+    def signal(self, policy=None, key=None):
+        cls = SIGNALS[self.rule]
+        if cls.needs_policy:
+            if policy is None:
+                raise ValueError(f"the {self.rule!r} rule needs a stopping policy, but the model has none")
+            return cls(policy)
+        return cls(key)
+
+    def make_rule(self, policy=None, generator: torch.Generator | None = None, key=None):
+        """The online stop rule for :func:`~learn2stop.core.loop.run_with_early_exit`."""
+        if self.sampled:
+            if policy is None:
+                raise ValueError("sampled inference needs a stopping policy, but the model has none")
+            return PolicyRule(policy, mode="sample", generator=generator)
+        signal = self.signal(policy, key)
+        return SignalRule(signal, signal.from_param(self.param))
+
+    def stop_times(self, rollout: Rollout, generator: torch.Generator | None = None) -> Tensor:
+        """Stop times of this rule read off a full rollout's stop logits (policy rules only)."""
+        if not self.uses_policy:
+            raise ValueError(f"stop times of the {self.rule!r} rule need the outputs; use signal_trace")
+        if rollout.stop_logits is None:
+            raise ValueError("this rule needs a policy's stop logits; the rollout has none")
+        if self.sampled:
+            return sampled_stop_times(rollout.stop_logits, generator)
+        return first_crossing(policy_scores(rollout.stop_logits, self.rule), self.param)
+
+
+def policy_scores(stop_logits: Tensor, rule: str) -> Tensor:
+    """The (B, T-1) scores of a policy rule from stop logits: pi_t, or the CDF 1 - prod (1 - pi_s)."""
+    if rule == "threshold":
+        return torch.sigmoid(stop_logits.float())
+    if rule == "quantile":
+        return -torch.expm1(torch.nn.functional.logsigmoid(-stop_logits.float()).cumsum(dim=1))
+    raise ValueError(f"not a policy rule: {rule!r}")
+
+
+# ----------------------------------------------------------------------------- cost of thresholds
+def _sorted_crossings(scores: Tensor, costs: Tensor) -> tuple[Tensor, Tensor]:
+    """Flattened running maxima of the scores, sorted, with the cost each adds when it is below lam."""
+    run_max = scores.float().cummax(dim=1).values  # (N, T-1): stop time(lam) = 1 + #{t: run_max_t < lam}
+    dc = costs.float().diff().to(scores.device).expand_as(run_max)  # cost of going on from t to t+1
+    values, order = run_max.flatten().sort()
+    return values, dc.flatten()[order]
+
+
+def mean_cost_curve(scores: Tensor, costs: Tensor, thresholds: Tensor) -> Tensor:
+    """Mean normalised cost of the rule at each threshold, (K,), without computing stop times."""
+    values, added = _sorted_crossings(scores, costs)
+    cum = torch.cat([added.new_zeros(1), added.cumsum(0)])
+    below = torch.searchsorted(values, thresholds.to(values), right=False)  # entries < lam
+    return float(costs[0]) + cum[below] / scores.shape[0]
+
+
+@dataclass
+class Calibration:
+    """A calibrated rule: what was asked, what was chosen, and what it gave on the calibration data."""
+
+    rule: str
+    param: float
+    threshold: float
+    target: dict
+    calibration: dict = field(default_factory=dict)
+    test: dict = field(default_factory=dict)
+
+    def inference(self) -> InferenceConfig:
+        return InferenceConfig(rule=self.rule, param=self.param if math.isfinite(self.param) else 1.0)
+
+    def make_rule(self, policy=None, key=None):
+        return SignalRule(SIGNALS[self.rule](policy) if SIGNALS[self.rule].needs_policy else SIGNALS[self.rule](key),
+                          self.threshold)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for k in ("param", "threshold"):
+            d[k] = d[k] if math.isfinite(d[k]) else None  # strict JSON: never stop early
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        d = dict(d)
+        d["threshold"] = math.inf if d.get("threshold") is None else float(d["threshold"])
+        d["param"] = math.inf if d.get("param") is None else float(d["param"])
+        return cls(**d)
+
+
+def _candidates(scores: Tensor, max_candidates: int | None = None) -> Tensor:
+    """Distinct thresholds worth trying, ascending: the running maxima (and +inf = full depth)."""
+    vals = scores.float().cummax(dim=1).values.flatten().unique()
+    if max_candidates and vals.numel() > max_candidates:
+        q = torch.linspace(0, 1, max_candidates, dtype=torch.float64)
+        vals = torch.quantile(vals.double(), q).float().unique()
+    return torch.cat([vals, vals.new_full((1,), math.inf)])
+
+
+def check_budget(budget: float, flag: str = "--budget") -> None:
+    if not (isinstance(budget, (int, float)) and math.isfinite(budget) and 0 < budget <= 1):
+        raise ConfigError(f"{flag}: the budget is a fraction of full depth in (0, 1]; got {budget!r}")
+
+
+def calibrate_budget(scores: Tensor, costs: Tensor, budget: float, signal_name: str, to_param=lambda x: x) -> Calibration:
+    """The largest threshold whose mean cost on these samples is at most ``budget`` (fraction of c_T = 1).
+
+    Args:
+        scores: (N, T-1) signal trace on calibration data.
+        costs: (T,) normalised cumulative costs (c_T = 1; ``t / T`` counts steps).
+        budget: B in (0, 1].
+    Returns:
+        A :class:`Calibration`; its realised mean cost is <= B, and the next larger candidate
+        threshold would exceed B.
+    """
+    check_budget(budget)
+    if float(costs[0]) > budget + 1e-9:
+        raise ConfigError(f"--budget: {budget} is below the cost of the first step ({float(costs[0]):.3f}): "
+                          "no rule can spend less")
+    cand = _candidates(scores)
+    cost = mean_cost_curve(scores, costs, cand)
+    ok = (cost <= budget + 1e-9).nonzero().flatten()
+    k = int(ok.max())
+    thr = float(cand[k])
+    stops = first_crossing(scores, thr)
+    return Calibration(rule=signal_name, param=to_param(thr), threshold=thr,
+                       target={"kind": "budget", "budget": float(budget)},
+                       calibration={"mean_cost": float(cost[k]), "mean_steps": float(stops.float().mean()),
+                                    "samples": int(scores.shape[0])})
+
+
+# ----------------------------------------------------------------------------- risk control (LTT)
+def _log_binom_cdf(k: int, n: int, p: float) -> float:
+    """log P(Binomial(n, p) <= k), summed in log space (float64)."""
+    if k < 0:
+        return -math.inf
+    if k >= n or p <= 0:
+        return 0.0
+    if p >= 1:
+        return -math.inf
+    i = torch.arange(0, k + 1, dtype=torch.float64)
+    logpmf = (torch.lgamma(torch.tensor(n + 1.0, dtype=torch.float64)) - torch.lgamma(i + 1) - torch.lgamma(n - i + 1)
+              + i * math.log(p) + (n - i) * math.log1p(-p))
+    return float(torch.logsumexp(logpmf, 0))
+
+
+def hoeffding_bentkus_pvalue(risk_hat: float, n: int, epsilon: float) -> float:
+    """Valid p-value for H0: E[loss] > epsilon, for losses in [0, 1] (Bates et al. 2021, Prop. 3)."""
+    if risk_hat >= epsilon:
+        return 1.0
+    h = lambda a, b: a * math.log(a / b) + (1 - a) * math.log((1 - a) / (1 - b)) if 0 < a < 1 else (
+        math.log(1 / (1 - b)) if a == 0 else math.log(1 / b))
+    hoeffding = math.exp(-n * h(min(risk_hat, epsilon), epsilon)) if epsilon < 1 else 1.0
+    bentkus = math.e * math.exp(_log_binom_cdf(math.ceil(n * risk_hat), n, epsilon))
+    return min(1.0, hoeffding, bentkus)
+
+
+def clt_pvalue(losses: Tensor, epsilon: float) -> float:
+    """Asymptotic p-value for H0: E[loss] > epsilon from the one-sided normal approximation."""
+    n = losses.numel()
+    mean, std = float(losses.double().mean()), float(losses.double().std()) if n > 1 else 0.0
+    if std == 0:
+        return 0.0 if mean <= epsilon else 1.0
+    z = (epsilon - mean) / (std / math.sqrt(n))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def check_risk(epsilon: float, delta: float) -> None:
+    if not (isinstance(epsilon, (int, float)) and math.isfinite(epsilon) and epsilon >= 0):
+        raise ConfigError(f"--epsilon: the allowed loss of quality must be a finite number >= 0; got {epsilon!r}")
+    if not (isinstance(delta, (int, float)) and 0 < delta < 1):
+        raise ConfigError(f"--delta: the risk level must be in (0, 1); got {delta!r}")
+
+
+def calibrate_risk(scores: Tensor, risk_losses: Tensor, epsilon: float, delta: float, signal_name: str,
+                   costs: Tensor | None = None, loss_range: tuple[float, float] | None = None,
+                   to_param=lambda x: x, max_candidates: int = 200) -> Calibration:
+    """Learn-then-Test: the cheapest threshold whose risk is certified <= epsilon at level delta.
+
+    Args:
+        scores: (N, T-1) signal trace on calibration data.
+        risk_losses: (N, T) per-sample excess loss of stopping at t (0 at full depth by construction,
+            e.g. error_t - error_T); the risk of a rule is the mean at its stop times.
+        epsilon: allowed risk. delta: the probability that the bound may fail.
+        loss_range: known bounds (a, b) of the losses: Hoeffding-Bentkus p-values (finite-sample
+            valid). None: the CLT p-value (asymptotically valid).
+    Thresholds are tested in fixed sequence from the most conservative (full depth) down, stopping
+    at the first that fails; fixed-sequence testing controls the family-wise error at delta.
+    """
+    check_risk(epsilon, delta)
+    N, T = risk_losses.shape
+    costs = costs if costs is not None else torch.arange(1, T + 1, dtype=torch.float32) / T
+    cand = _candidates(scores, max_candidates).flip(0)  # +inf (full depth) first, then ever more aggressive
+    chosen, tested = None, 0
+    for thr in cand.tolist():
+        stops = first_crossing(scores, thr)
+        losses = risk_losses.gather(1, (stops - 1).unsqueeze(1).to(risk_losses.device)).squeeze(1).double()
+        if loss_range is not None:
+            a, b = loss_range
+            p = hoeffding_bentkus_pvalue(float((losses.mean() - a) / (b - a)), N, (epsilon - a) / (b - a))
+        else:
+            p = clt_pvalue(losses, epsilon)
+        tested += 1
+        if p > delta:
+            break
+        chosen = (thr, float(losses.mean()), stops, p)
+    if chosen is None:  # not even full depth certified (epsilon = 0 with noisy losses): never stop early
+        thr, risk, stops, p = math.inf, 0.0, torch.full((N,), T), 0.0
+    else:
+        thr, risk, stops, p = chosen
+    return Calibration(rule=signal_name, param=to_param(thr), threshold=thr,
+                       target={"kind": "risk", "epsilon": float(epsilon), "delta": float(delta),
+                               "p_value": "hoeffding-bentkus" if loss_range is not None else "clt"},
+                       calibration={"risk": risk, "p_value": p, "thresholds_tested": tested,
+                                    "mean_steps": float(stops.float().mean()),
+                                    "mean_cost": float(costs[stops - 1].mean()), "samples": N})
+
+
+# ----------------------------------------------------------------------------- persistence
+def save_calibration(cal: Calibration, run_dir: str | Path) -> Path:
+    from ..utils.report import write_json
+
+    path = Path(run_dir) / CALIBRATION_FILE
+    write_json(cal.to_dict(), path)
+    return path
+
+
+def load_calibration(run_dir: str | Path) -> Calibration | None:
+    path = Path(run_dir) / CALIBRATION_FILE
+    if not path.is_file():
+        return None
+    try:
+        return Calibration.from_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"{path} is not a valid calibration file ({e}); calibrate again") from None
+
+
+def active_rule(inference: InferenceConfig, run_dir: str | Path | None, policy=None, key=None,
+                generator: torch.Generator | None = None) -> tuple[Any, str]:
+    """The rule a command uses: the run's calibrated rule if any (and allowed), else ``inference``'s.
+
+    Returns (rule, description).
+    """
+    cal = load_calibration(run_dir) if (run_dir is not None and inference.use_calibrated and not inference.sampled) else None
+    if cal is not None:
+        desc = f"calibrated {cal.rule} rule ({cal.target}), {cal.rule} parameter {cal.param:.4g}"
+        return cal.make_rule(policy, key), desc
+    desc = "sampled policy" if inference.sampled else f"{inference.rule} rule, parameter {inference.param:g}"
+    return inference.make_rule(policy, generator, key), desc

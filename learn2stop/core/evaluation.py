@@ -1,0 +1,308 @@
+"""One evaluation for every task and stop rule, and the accuracy-compute frontier built on it.
+
+- :class:`Metric`: what a task measures per sample, and how per-sample values aggregate
+  (a mean, or e.g. NMSE in dB as a ratio of sums).
+- :func:`collect_trace`: one full rollout per chunk records every step's per-sample metric, the
+  optional loss, and the scores of any stop signals: a :class:`Trace`.
+- :func:`evaluate_rule`: the real early-exit run of one rule (stop times, metric at the stop
+  time, steps computed), optionally with the trace's per-step metrics.
+- :func:`frontier`: fixed depth, the baseline's fixed depth, classical rules swept, the policy
+  calibrated to budgets and the oracle with a price on steps, each point with its measured speed.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from .calibration import calibrate_budget, mean_cost_curve
+from .distributions import exit_costs
+from .loop import StopAtTimes, StoppingModel, run_with_early_exit, tree_leaves, tree_map, unroll
+from .rules import SignalRule, StopSignal, first_crossing, signal_trace
+
+
+@dataclass
+class Metric:
+    """A task's quality measure.
+
+    name: shown in tables ("NMSE (dB)", "accuracy (%)").
+    per_sample: ``(output, target) -> (B,)`` values (errors, 0/1 correctness, PSNR, ...).
+    lower_is_better: direction of the aggregated metric.
+    aggregate: ``(values (N,), extras {name: (N,)}) -> float`` over a whole set; default: the mean.
+        ``extras`` are the per-sample side data of the trace (e.g. each target's energy for a
+        ratio of sums).
+    """
+
+    name: str
+    per_sample: Callable[[Any, Any], Tensor]
+    lower_is_better: bool = True
+    aggregate: Callable[[Tensor, dict], float] | None = None
+
+    def __call__(self, values: Tensor, extras: dict | None = None) -> float:
+        if self.aggregate is not None:
+            return float(self.aggregate(values, extras or {}))
+        return float(values.double().mean())
+
+    def better(self, a: float, b: float) -> bool:
+        """a at least as good as b."""
+        return a <= b if self.lower_is_better else a >= b
+
+    def gain(self, a: float, b: float) -> float:
+        """How much better a is than b (positive = better), in the metric's units."""
+        return (b - a) if self.lower_is_better else (a - b)
+
+
+@dataclass
+class Trace:
+    """Per-sample, per-step quantities of full rollouts over a set (N samples, T steps)."""
+
+    metric: Tensor  # (N, T) per-sample metric values at each step
+    costs: Tensor  # (T,) normalised cumulative cost of stopping at t (c_T = 1)
+    signals: dict[str, Tensor] = field(default_factory=dict)  # name -> (N, T-1) scores
+    losses: Tensor | None = None  # (N, T) training losses, if a loss_fn was given
+    extras: dict[str, Tensor] = field(default_factory=dict)  # per-sample (N,) side data, e.g. SNR, shots
+
+    @property
+    def num_steps(self) -> int:
+        return self.metric.shape[1]
+
+    def at(self, stop_times: Tensor) -> Tensor:
+        """Per-sample metric values at the given 1-based stop times; (N,)."""
+        return self.metric.gather(1, (stop_times.to(self.metric.device) - 1).unsqueeze(1)).squeeze(1)
+
+
+def _to(tree: Any, device) -> Any:
+    return tree_map(lambda x: x.to(device), tree)
+
+
+@torch.no_grad()
+def collect_trace(model: Any, batches: Iterable[tuple[Any, Any]], metric: Metric, device=None,
+                  signals: dict[str, Callable[[], StopSignal]] | None = None, loss_fn=None,
+                  extras: Callable[[Any, Any], dict[str, Tensor]] | None = None) -> Trace:
+    """Run every step on every batch once and record the metric, the loss and the signals' scores.
+
+    Args:
+        model: a step-wise model (its ``exit_costs``, if any, become the trace's costs).
+        batches: (inputs, target) pairs; moved to ``device``.
+        signals: name -> factory of a fresh :class:`StopSignal` (a stateful signal must not be shared).
+        extras: ``(inputs, target) -> {name: (B,)}`` side data kept per sample.
+    """
+    signals = signals or {}
+    metric_rows, loss_rows, extra_rows = [], [], []
+    sig_rows: dict[str, list[Tensor]] = {k: [] for k in signals}
+    made = {k: f() for k, f in signals.items()}
+    for inputs, target in batches:
+        inputs, target = _to(inputs, device), _to(target, device)
+        r = unroll(model, inputs, keep_outputs=True, model_grad=False)
+        metric_rows.append(torch.stack([metric.per_sample(o, target).float() for o in r.step_outputs], 1).cpu())
+        if loss_fn is not None:
+            loss_rows.append(torch.stack([loss_fn(o, target).float() for o in r.step_outputs], 1).cpu())
+        for k, sig in made.items():
+            sig_rows[k].append(signal_trace(sig, r.step_outputs, inputs).cpu())
+        if extras is not None:
+            extra_rows.append({k: v.cpu() for k, v in extras(inputs, target).items()})
+    return Trace(metric=torch.cat(metric_rows), costs=exit_costs(model),
+                 signals={k: torch.cat(v) for k, v in sig_rows.items()},
+                 losses=torch.cat(loss_rows) if loss_rows else None,
+                 extras={k: torch.cat([e[k] for e in extra_rows]) for k in extra_rows[0]} if extra_rows else {})
+
+
+@torch.no_grad()
+def evaluate_rule(model: Any, batches: Iterable[tuple[Any, Any]], rule_factory: Callable[[], Any], metric: Metric,
+                  device=None, extras: Callable[[Any, Any], dict[str, Tensor]] | None = None) -> dict[str, Any]:
+    """Real early exit with one rule over a set: stop times, per-sample metric at the stop, steps computed.
+
+    ``rule_factory()`` gives a fresh rule per batch (stateful rules reset themselves at t = 1, so
+    one rule also works). Returns {"stop_times" (N,), "values" (N,), "metric", "mean_steps",
+    "mean_cost", "steps_computed"}.
+    """
+    times, values, extra_rows = [], [], []
+    rule = rule_factory()
+    for inputs, target in batches:
+        inputs, target = _to(inputs, device), _to(target, device)
+        r = run_with_early_exit(model, inputs, rule)
+        times.append(r.stop_times.cpu())
+        values.append(metric.per_sample(r.outputs, target).float().cpu())
+        if extras is not None:
+            extra_rows.append({k: v.cpu() for k, v in extras(inputs, target).items()})
+    stop_times, vals = torch.cat(times), torch.cat(values)
+    ex = {k: torch.cat([e[k] for e in extra_rows]) for k in extra_rows[0]} if extra_rows else {}
+    costs = exit_costs(model)
+    return {"stop_times": stop_times, "values": vals, "metric": metric(vals, ex), "extras": ex,
+            "mean_steps": float(stop_times.float().mean()), "mean_cost": float(costs[stop_times - 1].mean()),
+            "steps_computed": int(stop_times.sum())}
+
+
+# ----------------------------------------------------------------------------- curves
+def oracle_stop_times(trace: Trace, metric: Metric, price: float) -> Tensor:
+    """Per-sample best step when each unit of normalised cost costs ``price`` metric units; (N,) 1-based."""
+    sign = 1.0 if metric.lower_is_better else -1.0
+    return (sign * trace.metric + price * trace.costs[None]).argmin(dim=1) + 1
+
+
+def _point(trace: Trace, metric: Metric, stops: Tensor, **extra) -> dict:
+    return {"mean_steps": float(stops.float().mean()), "mean_cost": float(trace.costs[stops - 1].mean()),
+            "metric": metric(trace.at(stops), trace.extras), **extra}
+
+
+def fixed_depth_curve(trace: Trace, metric: Metric) -> list[dict]:
+    N = trace.metric.shape[0]
+    return [_point(trace, metric, torch.full((N,), d, dtype=torch.long), depth=d) for d in range(1, trace.num_steps + 1)]
+
+
+def sweep_curve(trace: Trace, metric: Metric, scores: Tensor, signal: StopSignal, points: int = 12) -> list[dict]:
+    """A classical rule swept over thresholds chosen so that its mean steps spread over the range."""
+    vals = scores.float().cummax(dim=1).values.flatten()
+    vals = vals[torch.isfinite(vals)]
+    if vals.numel() == 0:
+        return []
+    thr = torch.quantile(vals.double(), torch.linspace(0.02, 1.0, points, dtype=torch.float64)).float().unique()
+    out = []
+    for lam in thr.tolist():
+        stops = first_crossing(scores, lam)
+        out.append(_point(trace, metric, stops, param=signal.to_param(lam), threshold=lam))
+    return _dedupe(out)
+
+
+def budget_curve(trace: Trace, metric: Metric, val: Trace, name: str, signal: StopSignal,
+                 budgets: Iterable[float], by: str = "steps") -> list[dict]:
+    """The rule calibrated on validation scores to each budget, scored on this trace."""
+    costs = _budget_costs(val, by)
+    out = []
+    for b in budgets:
+        try:
+            cal = calibrate_budget(val.signals[name], costs, b, signal.name, signal.to_param)
+        except ValueError:
+            continue  # budget below one step: not reachable
+        stops = first_crossing(trace.signals[name], cal.threshold)
+        out.append(_point(trace, metric, stops, budget=b, param=cal.param, threshold=cal.threshold))
+    return out
+
+
+def oracle_curve(trace: Trace, metric: Metric, points: int = 14) -> list[dict]:
+    """The per-sample best step under a swept price on cost (a bound: it needs the target)."""
+    spread = float((trace.metric.max() - trace.metric.min()).abs()) or 1.0
+    prices = [0.0] + [spread * 10 ** e for e in torch.linspace(-4, 0.5, points - 1).tolist()]
+    out = [_point(trace, metric, oracle_stop_times(trace, metric, p), price=p) for p in prices]
+    return _dedupe(out)
+
+
+def _budget_costs(trace: Trace, by: str) -> Tensor:
+    T = trace.num_steps
+    return trace.costs if by == "cost" else torch.arange(1, T + 1, dtype=torch.float32) / T
+
+
+def _dedupe(points: list[dict]) -> list[dict]:
+    seen, out = set(), []
+    for p in sorted(points, key=lambda p: p["mean_steps"]):
+        key = round(p["mean_steps"], 6)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+# ----------------------------------------------------------------------------- speed
+def measure_speed(model: Any, inputs: Any, rule_factory: Callable[[], Any], batch_size: int, repeats: int = 1,
+                  max_seconds: float = 2.0) -> float:
+    """Samples per second of real early exit with a rule, in batches of ``batch_size`` (wall clock).
+
+    Runs over ``inputs`` (batch-first tree) chunk by chunk; one warm-up chunk first. On CUDA the
+    clock waits for the device.
+    """
+    leaves = tree_leaves(inputs)
+    n = leaves[0].shape[0]
+    cuda = leaves[0].is_cuda
+    chunks = [tree_map(lambda x: x[i:i + batch_size], inputs) for i in range(0, n, batch_size)]
+    with torch.no_grad():
+        run_with_early_exit(model, chunks[0], rule_factory())  # warm-up
+        if cuda:
+            torch.cuda.synchronize()
+        done, t0 = 0, time.perf_counter()
+        for _ in range(repeats):
+            for c in chunks:
+                run_with_early_exit(model, c, rule_factory())
+                done += tree_leaves(c)[0].shape[0]
+                if time.perf_counter() - t0 > max_seconds:
+                    break
+        if cuda:
+            torch.cuda.synchronize()
+    return done / max(time.perf_counter() - t0, 1e-9)
+
+
+# ----------------------------------------------------------------------------- summaries
+def interpolate(curve: list[dict], x: float, key: str = "mean_steps") -> float | None:
+    """The curve's metric at ``x`` by linear interpolation (None outside its range)."""
+    pts = sorted(curve, key=lambda p: p[key])
+    for a, b in zip(pts, pts[1:]):
+        if a[key] <= x <= b[key]:
+            w = 0.0 if b[key] == a[key] else (x - a[key]) / (b[key] - a[key])
+            return a["metric"] + w * (b["metric"] - a["metric"])
+    if pts and abs(pts[-1][key] - x) < 1e-9:
+        return pts[-1]["metric"]
+    return None
+
+
+def frontier_summary(curves: dict[str, list[dict]], metric: Metric, full_depth: dict, num_steps: int,
+                     x: str = "mean_steps") -> dict:
+    """Two numbers: the fraction of full depth the policy needs to match full depth, and its gain over
+    fixed depth at equal mean steps (best over the policy's points, and at each)."""
+    policy = sorted(curves.get("policy", []), key=lambda p: p[x])
+    full_x = full_depth[x]
+    match = next((p for p in policy if metric.better(p["metric"], full_depth["metric"])), None)
+    gains = []
+    for p in policy:
+        f = interpolate(curves["fixed_depth"], p[x], x)
+        if f is not None:
+            gains.append({"budget": p.get("budget"), x: p[x], "gain": metric.gain(p["metric"], f)})
+    best = max(gains, key=lambda g: g["gain"]) if gains else None
+    return {"fraction_to_match_full_depth": None if match is None else match[x] / full_x,
+            "gain_over_fixed_depth_best": None if best is None else best["gain"],
+            "gain_over_fixed_depth_best_at": None if best is None else best[x] / full_x,
+            "gain_over_fixed_depth": gains}
+
+
+def frontier_markdown(result: dict, x: str = "mean_steps") -> str:
+    from ..utils.report import markdown_table
+
+    name = result["metric"]
+    rows = []
+    for curve, pts in result["curves"].items():
+        for p in pts:
+            rows.append([curve, p.get("budget", p.get("param", p.get("depth", p.get("price")))), p["mean_steps"],
+                         100 * p["mean_cost"], p["metric"], p.get("samples_per_s_batch1"), p.get("samples_per_s_batchN")])
+    s = result["summary"]
+    frac = s["fraction_to_match_full_depth"]
+    gain = s["gain_over_fixed_depth_best"]
+    head = (f"# Accuracy-compute frontier ({name}, {'lower' if result['lower_is_better'] else 'higher'} is better)\n\n"
+            f"Full depth ({result['num_steps']} steps): {result['full_depth']['metric']:.4g}. "
+            f"Policy matches full depth with {'-' if frac is None else f'{100 * frac:.1f} %'} of its steps; "
+            f"best gain over fixed depth at equal mean steps: {'-' if gain is None else f'{gain:+.4g}'}"
+            + ("" if gain is None else f" (at {100 * s['gain_over_fixed_depth_best_at']:.0f} % of the steps)") + ".\n"
+            f"Speeds: samples/s at batch 1 and batch {result['batch_n']}, measured side by side in one process"
+            f" on {result['device']}.\n\n")
+    return head + markdown_table(["curve", "budget / param", "mean steps", "cost %", name, "samples/s @1",
+                                  f"samples/s @{result['batch_n']}"], rows, digits=3)
+
+
+def frontier_plot(result: dict, path, x: str = "mean_steps") -> None:
+    from ..utils.report import new_figure, save_figure
+
+    fig, ax = new_figure(figsize=(6.5, 4.2))
+    styles = {"oracle": dict(color="k", ls=":", marker="."), "policy": dict(color="tab:red", marker="o", lw=2),
+              "fixed_depth": dict(color="tab:blue", marker="s", ms=3), "baseline_fixed_depth": dict(color="tab:green", marker="^", ms=3)}
+    scale = 100.0 if x == "mean_cost" else 1.0
+    for name, pts in result["curves"].items():
+        pts = sorted(pts, key=lambda p: p[x])
+        ax.plot([scale * p[x] for p in pts], [p["metric"] for p in pts], label=name, **styles.get(name, dict(marker="x", ms=4)))
+    f = result["full_depth"]
+    ax.axhline(f["metric"], color="gray", lw=0.8, ls="--", label="full depth")
+    ax.set_xlabel("mean cost (% of full)" if x == "mean_cost" else "mean steps")
+    ax.set_ylabel(result["metric"])
+    ax.set_title(result.get("title", "accuracy-compute frontier"), fontsize=9)
+    ax.legend(fontsize=7)
+    save_figure(fig, path)

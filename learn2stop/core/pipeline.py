@@ -1,0 +1,284 @@
+"""The paper's Algorithm 1 as a declarative pipeline, and the commands every task shares.
+
+A task is a :class:`StoppingApp`: it builds its models, names its training stages, and supplies
+its data, metric and report. The core runs the rest, the same way for every task:
+
+- ``train``: the stages in order (baseline, Stage I, II, optional III, AEVB), with initialisation
+  hand-offs (``init_from``) and between-stage hooks, resumable, into one run-directory layout:
+  ``config.yaml``, ``metrics.jsonl``, ``checkpoints/<stage>.pt``, ``training_summary.json``;
+- ``calibrate``: the stop rule's parameter for a budget or a risk level, saved as ``calibration.json``
+  and used from then on by ``evaluate``, ``frontier``, the task's inference command and the API;
+- ``frontier``: the accuracy-compute frontier (``frontier.md`` / ``.png`` / ``.json``).
+
+:func:`load_stage` loads a finished stage by name (benchmarks import it).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..utils.config import ConfigError
+from ..utils.report import write_json
+from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rule, calibrate_budget, calibrate_risk,
+                          check_budget, check_risk, policy_scores, save_calibration)
+from .evaluation import (Metric, Trace, budget_curve, collect_trace, fixed_depth_curve, frontier_markdown, frontier_plot,
+                         frontier_summary, measure_speed, oracle_curve, oracle_stop_times, sweep_curve, _point)
+from .loop import FixedDepth, StoppingModel, tree_cat, tree_map
+from .objectives import MethodConfig, StageConfig
+from .rules import SIGNALS, SignalRule, first_crossing
+from .trainer import StagedTrainer, load_finished_stage
+
+
+@dataclass
+class Stage:
+    """One step of the pipeline.
+
+    name: the stage's checkpoint name (``checkpoints/<name>.pt``).
+    model: which of the app's models it trains (a key of :meth:`StoppingApp.build_models`).
+    config: its :class:`StageConfig` (method-level fields inherited when unset).
+    init_from: before the stage starts, copy the weights of this model (``init_part``: "model" =
+        the predictive model only, "all" = model and policy).
+    before: hook ``(models, app, cfg, run) -> None`` run before the stage (e.g. choose the policy's first step).
+    """
+
+    name: str
+    model: str
+    config: StageConfig
+    init_from: str | None = None
+    init_part: str = "model"
+    before: Callable | None = None
+    describe: str = ""
+
+
+class StoppingApp:
+    """What a task supplies to the core pipeline. Override the methods marked *task*."""
+
+    #: the stage whose weights make the deployed stopping model, and the baseline's stage.
+    stop_stage = "stage2"
+    baseline_stage = "baseline"
+    #: frontier x-axis for budgets: "steps" or "cost" (the model's ``exit_costs``, e.g. FLOPs).
+    budget_by = "steps"
+    #: batch size of the frontier's large-batch speed.
+    speed_batch = 1000
+    #: samples timed one by one at batch 1.
+    speed_samples = 200
+
+    # ---------------------------------------------------------------- task
+    def build_models(self, cfg: Any, device) -> dict[str, StoppingModel]:
+        raise NotImplementedError
+
+    def training_task(self, cfg: Any, key: str, sm: StoppingModel) -> Any:
+        raise NotImplementedError
+
+    def stages(self, cfg: Any) -> list[Stage]:
+        raise NotImplementedError
+
+    def eval_batches(self, cfg: Any, split: str, device) -> list[tuple[Any, Any]]:
+        """Fixed (inputs, target) batches of ``split`` ("val" for selection and calibration, "test")."""
+        raise NotImplementedError
+
+    def metric(self, cfg: Any) -> Metric:
+        raise NotImplementedError
+
+    def classical_signals(self, cfg: Any) -> dict[str, Callable]:
+        """name -> factory of a label-free classical stop signal (tolerance, confidence, ...)."""
+        return {}
+
+    def trace_extras(self, cfg: Any):
+        """Optional ``(inputs, target) -> {name: (B,)}`` per-sample side data for the metric's aggregate."""
+        return None
+
+    def risk_losses(self, cfg: Any, trace: Trace) -> tuple[torch.Tensor, tuple[float, float] | None]:
+        """Per-sample excess loss of stopping at t (N, T) for risk control, and its range if bounded.
+
+        Default: how much worse the per-sample metric is than at full depth (metric units).
+        """
+        sign = 1.0 if self.metric(cfg).lower_is_better else -1.0
+        return sign * (trace.metric - trace.metric[:, -1:]), None
+
+    # ---------------------------------------------------------------- shared settings
+    def method(self, cfg: Any) -> MethodConfig:
+        return getattr(cfg, "method", None) or MethodConfig()
+
+    def inference(self, cfg: Any) -> InferenceConfig:
+        return getattr(cfg, "inference", None) or InferenceConfig()
+
+    def seed(self, cfg: Any) -> int:
+        return int(getattr(cfg, "seed", 0))
+
+
+def _trainer(app: StoppingApp, cfg, run, key: str, sm: StoppingModel) -> StagedTrainer:
+    return StagedTrainer(sm, app.training_task(cfg, key, sm), run.run_dir, seed=app.seed(cfg), ctx=run.ctx,
+                         progress=run.progress, resume=run.resume, inference=app.inference(cfg))
+
+
+def run_pipeline(app: StoppingApp, cfg: Any, run) -> dict[str, dict]:
+    """Train every stage in order (resuming what exists); returns {stage: summary}."""
+    models = app.build_models(cfg, run.device)
+    method = app.method(cfg)
+    stages = [s for s in app.stages(cfg) if s.config.iterations > 0 or s.name in (app.stop_stage,)]
+    summaries: dict[str, dict] = {}
+    for i, st in enumerate(stages, 1):
+        sm = models[st.model]
+        if st.init_from:
+            src = models[st.init_from]
+            if st.init_part == "all":
+                sm.load_state_dict(src.state_dict())
+            else:
+                sm.model.load_state_dict(src.model.state_dict())
+        if st.before is not None:
+            st.before(models, app, cfg, run)
+        scfg = st.config.inherit(method)
+        run.log(f"[{i}/{len(stages)}] {st.name}: {st.describe or scfg.objective} "
+                f"({scfg.variant}, beta={scfg.beta:g}, price={scfg.price:g})")
+        summaries[st.name] = _trainer(app, cfg, run, st.model, sm).fit(st.name, scfg)
+    if run.ctx.is_main:
+        write_json(summaries, Path(run.run_dir) / "training_summary.json")
+        for s in summaries.values():
+            run.log(f"  {s['stage']}: {s['iterations']} iterations, best validation {s['select']} = "
+                    f"{s['best_score']:.4g}, {s['seconds']:.0f} s")
+    return summaries
+
+
+def load_stage(app: StoppingApp, cfg: Any, run_dir: str | Path, stage: str, device=None) -> StoppingModel:
+    """The model trained by a finished ``stage`` of a run, in eval mode (a clear error if it is missing)."""
+    by_name = {s.name: s for s in app.stages(cfg)}
+    if stage not in by_name:
+        raise ConfigError(f"stage: {stage!r} is not a stage of this task; stages: {', '.join(by_name)}")
+    models = app.build_models(cfg, device)
+    sm = models[by_name[stage].model]
+    load_finished_stage(sm, Path(run_dir) / "checkpoints", stage, map_location=device or "cpu")
+    return sm.eval()
+
+
+def _require_trained(run_dir: Path, stage: str, command: str) -> None:
+    path = Path(run_dir) / "checkpoints" / f"{stage}.pt"
+    if not path.is_file():
+        raise ConfigError(f"--run-dir: {run_dir} has no finished stage {stage!r} ({path} is missing); "
+                          f"run the 'train' command before '{command}'")
+
+
+def stop_model_trace(app: StoppingApp, cfg, sm: StoppingModel, split: str, device, with_classical: bool = True) -> Trace:
+    """The stop model's trace on a split: per-step metrics, both policy rules' scores and classical signals."""
+    signals: dict[str, Callable] = {}
+    if sm.policy is not None:
+        signals.update({r: (lambda r=r: SIGNALS[r](sm.policy)) for r in POLICY_RULES})
+    if with_classical:
+        signals.update(app.classical_signals(cfg))
+    return collect_trace(sm.model, app.eval_batches(cfg, split, device), app.metric(cfg), device, signals=signals,
+                         extras=app.trace_extras(cfg))
+
+
+# ----------------------------------------------------------------------------- commands
+def calibrate_command(app: StoppingApp, cfg: Any, run, *, budget: float | None = None, epsilon: float | None = None,
+                      delta: float = 0.1, rule: str | None = None) -> Calibration:
+    """Calibrate the policy rule on the validation split for a budget or a risk level; save and report it."""
+    if (budget is None) == (epsilon is None):
+        raise ConfigError("calibrate: give exactly one target: --budget B (mean cost as a fraction of full depth) "
+                          "or --epsilon E [--delta D] (allowed loss of quality with risk level delta)")
+    if budget is not None:
+        check_budget(budget)
+    else:
+        check_risk(epsilon, delta)
+    rule = rule or app.inference(cfg).rule
+    _require_trained(run.run_dir, app.stop_stage, "calibrate")
+    sm = load_stage(app, cfg, run.run_dir, app.stop_stage, run.device)
+    if SIGNALS[rule].needs_policy and sm.policy is None:
+        raise ConfigError(f"--rule: the {rule!r} rule needs a policy; stage {app.stop_stage!r} has none")
+    val = stop_model_trace(app, cfg, sm, "val", run.device)
+    test = stop_model_trace(app, cfg, sm, "test", run.device)
+    signal = SIGNALS[rule](sm.policy) if SIGNALS[rule].needs_policy else app.classical_signals(cfg)[rule]()
+    metric = app.metric(cfg)
+    if budget is not None:
+        costs = val.costs if app.budget_by == "cost" else torch.arange(1, val.num_steps + 1) / val.num_steps
+        cal = calibrate_budget(val.signals[rule], costs, budget, rule, signal.to_param)
+    else:
+        losses, rng = app.risk_losses(cfg, val)
+        cal = calibrate_risk(val.signals[rule], losses, epsilon, delta, rule, costs=val.costs, loss_range=rng,
+                             to_param=signal.to_param)
+    stops = first_crossing(test.signals[rule], cal.threshold)
+    test_losses, _ = app.risk_losses(cfg, test)
+    cal.test = {"metric": metric(test.at(stops), test.extras), "full_depth_metric": metric(test.metric[:, -1], test.extras),
+                "mean_steps": float(stops.float().mean()), "mean_cost": float(test.costs[stops - 1].mean()),
+                "risk": float(test_losses.gather(1, (stops - 1)[:, None]).mean()), "samples": int(stops.numel())}
+    cal.calibration["metric"] = metric(val.at(first_crossing(val.signals[rule], cal.threshold)), val.extras)
+    if run.ctx.is_main:
+        save_calibration(cal, run.run_dir)
+    run.log(f"calibrated {rule} rule: {signal.param_name} = {cal.param:.4g} for {cal.target}\n"
+            f"  validation: {cal.calibration}\n  test: {cal.test}\n  saved to {Path(run.run_dir) / 'calibration.json'}")
+    return cal
+
+
+def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+                     speed: bool = True) -> dict:
+    """The accuracy-compute frontier of a trained run: ``frontier.json``, ``frontier.md``, ``frontier.png``."""
+    _require_trained(run.run_dir, app.stop_stage, "frontier")
+    dev = run.device
+    metric = app.metric(cfg)
+    sm = load_stage(app, cfg, run.run_dir, app.stop_stage, dev)
+    t0 = time.perf_counter()
+    test = stop_model_trace(app, cfg, sm, "test", dev)
+    val = stop_model_trace(app, cfg, sm, "val", dev) if sm.policy is not None else None
+    T = test.num_steps
+    N = test.metric.shape[0]
+    curves: dict[str, list[dict]] = {"fixed_depth": fixed_depth_curve(test, metric)}
+    rules: dict[str, Callable[[dict], Callable]] = {"fixed_depth": lambda p: (lambda: FixedDepth(p["depth"]))}
+    base = None
+    if app.baseline_stage and (Path(run.run_dir) / "checkpoints" / f"{app.baseline_stage}.pt").is_file():
+        base = load_stage(app, cfg, run.run_dir, app.baseline_stage, dev)
+        if base.num_steps > 1:
+            btrace = collect_trace(base.model, app.eval_batches(cfg, "test", dev), metric, dev, extras=app.trace_extras(cfg))
+            curves["baseline_fixed_depth"] = fixed_depth_curve(btrace, metric)
+            rules["baseline_fixed_depth"] = lambda p: (lambda: FixedDepth(p["depth"]))
+    for name, factory in app.classical_signals(cfg).items():
+        curves[name] = sweep_curve(test, metric, test.signals[name], factory())
+        rules[name] = lambda p, f=factory: (lambda: SignalRule(f(), p["threshold"]))
+    if sm.policy is not None:
+        rule = app.inference(cfg).rule if app.inference(cfg).rule in POLICY_RULES else "quantile"
+        curves["policy"] = budget_curve(test, metric, val, rule, SIGNALS[rule](sm.policy), budgets, app.budget_by)
+        rules["policy"] = lambda p, r=rule: (lambda: SignalRule(SIGNALS[r](sm.policy), p["threshold"]))
+        other = "threshold" if rule == "quantile" else "quantile"
+        curves[f"policy_{other}"] = budget_curve(test, metric, val, other, SIGNALS[other](sm.policy), budgets, app.budget_by)
+        rules[f"policy_{other}"] = lambda p, r=other: (lambda: SignalRule(SIGNALS[r](sm.policy), p["threshold"]))
+    curves["oracle"] = oracle_curve(test, metric)
+    full = _point(test, metric, torch.full((N,), T, dtype=torch.long))
+    run.log(f"frontier: traces of {N} test samples in {time.perf_counter() - t0:.1f}s; measuring speeds")
+    if speed:
+        inputs = tree_cat([b[0] for b in app.eval_batches(cfg, "test", dev)])
+        bn = min(app.speed_batch, N)
+        one = tree_map(lambda x: x[:min(app.speed_samples, N)], inputs)
+        big = tree_map(lambda x: x[:bn * max(1, min(N // bn, 3))], inputs)
+        model_of = {"baseline_fixed_depth": base.model if base is not None else None}
+
+        def speeds(point, factory, model):
+            point["samples_per_s_batch1"] = measure_speed(model, one, factory, 1)
+            point["samples_per_s_batchN"] = measure_speed(model, big, factory, bn)
+
+        speeds(full, lambda: FixedDepth(), sm.model)
+        for name, pts in curves.items():
+            if name not in rules:
+                continue
+            for p in pts:
+                speeds(p, rules[name](p), model_of.get(name) or sm.model)
+    result = {"metric": metric.name, "lower_is_better": metric.lower_is_better, "num_steps": T,
+              "full_depth": full, "batch_n": min(app.speed_batch, N), "device": str(dev or "cpu"),
+              "test_samples": N, "budget_by": app.budget_by, "curves": curves}
+    result["summary"] = frontier_summary(curves, metric, full, T)
+    if app.budget_by == "cost":
+        result["summary_by_cost"] = frontier_summary(curves, metric, full, T, x="mean_cost")
+    if run.ctx.is_main:
+        out = Path(run.run_dir)
+        write_json(result, out / "frontier.json")
+        (out / "frontier.md").write_text(frontier_markdown(result) + "\n")
+        frontier_plot(result, out / "frontier.png", x="mean_cost" if app.budget_by == "cost" else "mean_steps")
+        run.log(frontier_markdown(result))
+    return result
+
+
+def deployed_rule(app: StoppingApp, cfg: Any, run_dir, sm: StoppingModel, generator=None):
+    """The rule a trained run uses at inference: its calibration if any, else the config's (rule, description)."""
+    return active_rule(app.inference(cfg), run_dir, sm.policy, generator=generator)

@@ -1,0 +1,239 @@
+"""Stop signals and the threshold rules built on them: one shape for every stop rule.
+
+A *stop signal* scores each running sample at step t (higher = readier to stop); a
+:class:`SignalRule` stops a sample at the first step whose score reaches a threshold. The learned
+policy (pi_t, or the quantile form 1 - prod_{s<=t} (1 - pi_s)), the classical tolerance test, and
+the early-exit heuristics of classifiers (max-softmax confidence, entropy, patience) all fit:
+
+- online, :func:`~learn2stop.core.loop.run_with_early_exit` calls the rule on the active batch;
+- offline, :func:`signal_trace` applies the *same* signal to a full rollout, step by step, so
+  :func:`first_crossing` gives the stop times of every threshold at once. Calibration and the
+  accuracy-compute frontier use that, and a test checks it against the online loop.
+
+Signals that remember earlier steps (quantile, patience, tolerance) keep their state per original
+sample (``view.index``) and reset when a new rollout starts (t = 1).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .loop import StepView, _policy_logits, tree_leaves
+
+
+class StopSignal:
+    """Base: ``signal(view) -> (B_active,)`` scores; higher means readier to stop.
+
+    ``name`` identifies the rule family; ``param_name`` and :meth:`to_param` / :meth:`from_param`
+    translate between the score threshold and the parameter users set (e.g. a tolerance is the
+    negated score threshold).
+    """
+
+    name = "signal"
+    param_name = "threshold"
+    needs_policy = False
+
+    def to_param(self, threshold: float) -> float:
+        return threshold
+
+    def from_param(self, param: float) -> float:
+        return param
+
+    def __call__(self, view: StepView) -> Tensor:
+        raise NotImplementedError
+
+
+class _Stateful(StopSignal):
+    """A signal with per-sample memory, indexed by the sample's position in the original batch."""
+
+    def _state(self, view: StepView, init: Callable[[int], Tensor]) -> Tensor:
+        if view.t == 1 or getattr(self, "_memory", None) is None:
+            size = int(view.index.max()) + 1 if view.index.numel() else 0
+            self._memory = init(size)
+        return self._memory
+
+
+class PolicySignal(StopSignal):
+    """pi_t = sigmoid(policy logit): the paper's stopping policy (Eq. 2)."""
+
+    name, param_name, needs_policy = "threshold", "threshold", True
+
+    def __init__(self, policy: nn.Module):
+        self.policy = policy
+
+    def __call__(self, view: StepView) -> Tensor:
+        return torch.sigmoid(_policy_logits(self.policy, view.inputs, view.output, view.t, view.index.numel()))
+
+
+class QuantileSignal(_Stateful):
+    """1 - prod_{s<=t} (1 - pi_s): the probability that q_phi has stopped by step t (its CDF).
+
+    Thresholding it at alpha stops at the alpha-quantile of each sample's stop-time distribution.
+    """
+
+    name, param_name, needs_policy = "quantile", "alpha", True
+
+    def __init__(self, policy: nn.Module):
+        self.policy = policy
+
+    def __call__(self, view: StepView) -> Tensor:
+        logits = _policy_logits(self.policy, view.inputs, view.output, view.t, view.index.numel())
+        log_survival = self._state(view, lambda n: torch.zeros(n, device=logits.device, dtype=torch.float32))
+        log_survival[view.index] += F.logsigmoid(-logits.float())
+        return -torch.expm1(log_survival[view.index])
+
+
+def _leaf(output: Any, key: str | Callable | None) -> Tensor:
+    if callable(key):
+        return key(output)
+    if key is not None:
+        return output[key]
+    leaves = tree_leaves(output)
+    return output if isinstance(output, Tensor) else leaves[0]
+
+
+class ToleranceSignal(_Stateful):
+    """The classical convergence test: minus the relative change ||o_t - o_{t-1}|| / ||o_t||.
+
+    ``key`` picks what to watch: a dict key of the output, or a function of the output (e.g. MAML's
+    support loss). Step 1 has no previous output and never stops. The parameter is the tolerance.
+    """
+
+    name, param_name = "tolerance", "tol"
+
+    def __init__(self, key: str | Callable | None = None):
+        self.key = key
+
+    def to_param(self, threshold: float) -> float:
+        return -threshold
+
+    def from_param(self, param: float) -> float:
+        return -param
+
+    def __call__(self, view: StepView) -> Tensor:
+        out = _leaf(view.output, self.key).detach().float()
+        flat = out.reshape(out.shape[0], -1)
+        prev = self._state(view, lambda n: torch.full((n, flat.shape[1]), float("nan"), device=flat.device))
+        before = prev[view.index]
+        change = (flat - before).norm(dim=1) / flat.norm(dim=1).clamp_min(1e-12)
+        prev[view.index] = flat
+        return torch.where(torch.isnan(change), torch.full_like(change, -math.inf), -change)
+
+
+class ConfidenceSignal(StopSignal):
+    """Max softmax probability of a classifier's logits (SDN's exit rule)."""
+
+    name, param_name = "confidence", "q"
+
+    def __init__(self, key: str | Callable | None = None):
+        self.key = key
+
+    def __call__(self, view: StepView) -> Tensor:
+        return torch.softmax(_leaf(view.output, self.key).float(), dim=-1).amax(dim=-1)
+
+
+class EntropySignal(StopSignal):
+    """Minus the entropy of the softmax (BranchyNet's rule); the parameter is the entropy bound."""
+
+    name, param_name = "entropy", "max_entropy"
+
+    def __init__(self, key: str | Callable | None = None):
+        self.key = key
+
+    def to_param(self, threshold: float) -> float:
+        return -threshold
+
+    def from_param(self, param: float) -> float:
+        return -param
+
+    def __call__(self, view: StepView) -> Tensor:
+        logp = torch.log_softmax(_leaf(view.output, self.key).float(), dim=-1)
+        return (logp.exp() * logp).sum(dim=-1)
+
+
+class PatienceSignal(_Stateful):
+    """How many exits in a row the predicted class has stayed the same (PABEE); parameter: patience k."""
+
+    name, param_name = "patience", "k"
+
+    def __init__(self, key: str | Callable | None = None):
+        self.key = key
+
+    def __call__(self, view: StepView) -> Tensor:
+        pred = _leaf(view.output, self.key).argmax(dim=-1)
+        mem = self._state(view, lambda n: torch.full((n, 2), -1.0, device=pred.device))  # (last class, run length)
+        rows = mem[view.index]
+        same = rows[:, 0] == pred.float()
+        run = torch.where(same, rows[:, 1] + 1, torch.zeros_like(rows[:, 1]))
+        mem[view.index] = torch.stack([pred.float(), run], dim=1)
+        return run
+
+
+SIGNALS: dict[str, type] = {c.name: c for c in (PolicySignal, QuantileSignal, ToleranceSignal, ConfidenceSignal,
+                                                EntropySignal, PatienceSignal)}
+
+
+class SignalRule:
+    """Stop a sample at the first step whose signal reaches ``threshold`` (in score units).
+
+    Example:
+        >>> rule = SignalRule(QuantileSignal(policy), threshold=0.5)   # doctest: +SKIP
+        >>> run_with_early_exit(model, inputs, rule)                     # doctest: +SKIP
+    """
+
+    def __init__(self, signal: StopSignal, threshold: float):
+        if not isinstance(threshold, (int, float)) or math.isnan(threshold):
+            raise ValueError(f"threshold must be a number; got {threshold!r}")
+        self.signal, self.threshold = signal, float(threshold)
+        self.last_probs: Tensor | None = None
+
+    @classmethod
+    def from_param(cls, signal: StopSignal, param: float) -> "SignalRule":
+        return cls(signal, signal.from_param(param))
+
+    def __call__(self, view: StepView) -> Tensor:
+        score = self.signal(view)
+        if isinstance(self.signal, PolicySignal):
+            self.last_probs = score
+        return score >= self.threshold
+
+
+# ----------------------------------------------------------------------------- offline form
+@torch.no_grad()
+def signal_trace(signal: StopSignal, step_outputs: list[Any], inputs: Any) -> Tensor:
+    """The signal's scores at steps 1..T-1 of a full rollout; shape (B, T-1).
+
+    Feeds the signal exactly the views the online loop would give it if no sample stopped, so
+    ``first_crossing(trace, thr)`` equals the stop times of ``SignalRule(signal, thr)``.
+    """
+    T = len(step_outputs)
+    B = tree_leaves(step_outputs[0])[0].shape[0]
+    device = tree_leaves(step_outputs[0])[0].device
+    index = torch.arange(B, device=device)
+    cols = [signal(StepView(t, T, inputs, step_outputs[t - 1], step_outputs[t - 2] if t > 1 else None, None, index))
+            for t in range(1, T)]
+    return torch.stack(cols, dim=1).float() if cols else torch.zeros(B, 0, device=device)
+
+
+def first_crossing(scores: Tensor, threshold: float | Tensor) -> Tensor:
+    """1-based stop times: the first t with scores[:, t-1] >= threshold, else T = scores.shape[1] + 1.
+
+    ``threshold`` may be a scalar or a (K,) tensor of thresholds, giving (K, B) stop times.
+    """
+    B, Tm1 = scores.shape
+    thr = torch.as_tensor(threshold, dtype=scores.dtype, device=scores.device)
+    hit = scores.unsqueeze(0) >= thr.reshape(-1, 1, 1)  # (K, B, T-1)
+    hit = torch.cat([hit, torch.ones(*hit.shape[:2], 1, dtype=torch.bool, device=scores.device)], dim=2)
+    times = hit.float().argmax(dim=2) + 1
+    return times[0] if thr.dim() == 0 else times
+
+
+def sampled_stop_times(stop_logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Stop times of the sampled policy (stop at t with probability pi_t) from a full rollout's logits."""
+    from .distributions import log_stop_time_distribution, sample_stop_time
+
+    return sample_stop_time(log_stop_time_distribution(stop_logits), generator) + 1
