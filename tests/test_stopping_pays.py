@@ -1,0 +1,253 @@
+"""Stopping that pays: the price on computation, stop rules, calibration, risk control, frontier."""
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from learn2stop.core import (ConfidenceSignal, EntropySignal, InferenceConfig, MethodConfig, PatienceSignal,
+                             PolicySignal, QuantileSignal, SignalRule, StageConfig, StagedTrainer, StoppingModel,
+                             ToleranceSignal, calibrate_budget, calibrate_risk, exit_costs, first_crossing,
+                             log_cost_oracle_distribution, log_cost_prior, log_oracle_distribution, run_with_early_exit,
+                             signal_trace, unroll, validation_scores)
+from learn2stop.core.calibration import mean_cost_curve, policy_scores
+from learn2stop.utils.config import ConfigError
+
+
+class Toy(nn.Module):
+    """x_t = tanh(W_t x_{t-1} + U y); readout: 5-class logits."""
+
+    def __init__(self, d=6, T=7, costs=None):
+        super().__init__()
+        self.num_steps = T
+        self.W = nn.ModuleList(nn.Linear(d, d) for _ in range(T))
+        self.U = nn.Linear(d, d)
+        self.head = nn.Linear(d, 5)
+        if costs is not None:
+            self.exit_costs = costs
+
+    def initial_state(self, y):
+        return torch.zeros_like(y)
+
+    def step(self, t, x, y):
+        return torch.tanh(self.W[t - 1](x) + self.U(y))
+
+    def readout(self, t, x, y):
+        return self.head(x)
+
+
+class Pol(nn.Module):
+    def __init__(self, d=5):
+        super().__init__()
+        self.net = nn.Linear(d + 1, 1)
+
+    def forward(self, y, out, t):
+        return 2 * self.net(torch.cat([out, out.new_full((out.shape[0], 1), t / 7)], 1)).squeeze(1)
+
+
+@pytest.fixture
+def sm():
+    torch.manual_seed(0)
+    return StoppingModel(Toy(), Pol()).eval()
+
+
+def test_cost_aware_oracle_equals_the_prior_form():
+    g = torch.Generator().manual_seed(1)
+    losses = torch.rand(9, 6, generator=g) * 3
+    costs = torch.tensor([1.0, 2.0, 4.0, 5.0, 8.0, 10.0]) / 10
+    for beta, price in ((0.3, 0.0), (0.3, 1.7), (2.0, 0.5)):
+        direct = log_cost_oracle_distribution(losses, beta, costs, price)
+        as_prior = log_oracle_distribution(losses, beta, log_cost_prior(costs, price, beta))
+        torch.testing.assert_close(direct, as_prior)
+        torch.testing.assert_close(direct.exp().sum(1), torch.ones(9))
+    # a price moves mass to earlier (cheaper) steps
+    q0 = log_cost_oracle_distribution(losses, 1.0, costs, 0.0).exp()
+    q1 = log_cost_oracle_distribution(losses, 1.0, costs, 5.0).exp()
+    steps = torch.arange(1, 7.0)
+    assert ((q1 * steps).sum(1) < (q0 * steps).sum(1)).all()
+
+
+def test_stage_config_inherits_the_method_and_adds_the_price_to_its_prior():
+    method = MethodConfig(beta=0.5, price=2.0)
+    cfg = StageConfig(objective="stage1").inherit(method)
+    assert (cfg.beta, cfg.price) == (0.5, 2.0)
+    assert StageConfig(objective="stage1", beta=0.1).inherit(method).beta == 0.1  # a stage may override
+    model = Toy(costs=[1, 1, 2, 3, 5, 8, 13])
+    c = exit_costs(model)
+    torch.testing.assert_close(c, torch.tensor([1, 1, 2, 3, 5, 8, 13.0]) / 13)
+    torch.testing.assert_close(cfg.model_log_prior(model), log_cost_prior(c, 2.0, 0.5))
+    with pytest.raises(ValueError, match="exit_costs has 3 entries"):
+        exit_costs(Toy(costs=[1, 2, 3]))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        exit_costs(Toy(costs=[3, 2, 1, 4, 5, 6, 7]))
+    with pytest.raises(ConfigError, match="method.price"):
+        MethodConfig(price=-1.0)
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: QuantileSignal(p), lambda p: PolicySignal(p), lambda p: ToleranceSignal(),
+    lambda p: ConfidenceSignal(), lambda p: EntropySignal(), lambda p: PatienceSignal()])
+def test_online_rules_stop_where_the_full_rollout_says(sm, make):
+    y = torch.randn(64, 6, generator=torch.Generator().manual_seed(3))
+    full = unroll(sm.model, y, keep_outputs=True, model_grad=False)
+    scores = signal_trace(make(sm.policy), full.step_outputs, y)
+    thr = float(scores.flatten().median())
+    with torch.no_grad():
+        r = run_with_early_exit(sm.model, y, SignalRule(make(sm.policy), thr))
+    expected = first_crossing(scores, thr)
+    assert torch.equal(r.stop_times, expected)
+    assert 1 < expected.float().mean() < sm.num_steps  # some stop early, some late: the test can fail
+    picked = torch.stack([full.step_outputs[t - 1][i] for i, t in enumerate(expected.tolist())])
+    torch.testing.assert_close(r.outputs, picked)
+
+
+def test_quantile_scores_are_the_cdf_of_q_phi(sm):
+    from learn2stop.core import log_stop_time_distribution
+
+    y = torch.randn(10, 6)
+    logits = unroll(sm.model, y, policy=sm.policy, model_grad=False).stop_logits
+    cdf = log_stop_time_distribution(logits).exp().cumsum(1)[:, :-1]
+    torch.testing.assert_close(policy_scores(logits, "quantile"), cdf)
+    r = unroll(sm.model, y, policy=sm.policy, model_grad=False)
+    assert torch.equal(InferenceConfig(rule="quantile", param=0.5).stop_times(r),
+                       first_crossing(cdf, 0.5))
+
+
+@pytest.mark.parametrize("costs", [None, torch.tensor([1, 3, 4, 6, 7, 9, 10.0]) / 10])
+@pytest.mark.parametrize("budget", [0.2, 0.45, 0.7, 1.0])
+def test_budget_calibration_meets_its_budget_on_the_calibration_data(costs, budget):
+    g = torch.Generator().manual_seed(int(budget * 100))
+    scores = torch.rand(500, 6, generator=g)
+    c = costs if costs is not None else torch.arange(1, 8.0) / 7
+    if float(c[0]) > budget:
+        with pytest.raises(ConfigError, match="below the cost of the first step"):
+            calibrate_budget(scores, c, budget, "quantile")
+        return
+    cal = calibrate_budget(scores, c, budget, "quantile")
+    stops = first_crossing(scores, cal.threshold)
+    realised = float(c[stops - 1].mean())
+    assert realised <= budget + 1e-6
+    assert realised == pytest.approx(cal.calibration["mean_cost"], abs=1e-5)
+    # the next more generous threshold would overspend: the budget is used, not wasted
+    higher = scores.cummax(1).values.flatten()
+    higher = higher[higher > cal.threshold]
+    if higher.numel():
+        nxt = float(higher.min()) + 1e-7
+        assert float(c[first_crossing(scores, nxt) - 1].mean()) > budget
+    cand = torch.tensor([0.1, 0.5, 0.9, math.inf])
+    direct = torch.stack([c[first_crossing(scores, float(t)) - 1].mean() for t in cand])
+    torch.testing.assert_close(mean_cost_curve(scores, c, cand), direct)
+
+
+def test_risk_control_holds_in_at_least_1_minus_delta_of_random_splits():
+    """Learn-then-Test: on fresh data, the excess risk stays <= epsilon in >= 1 - delta of 200 splits."""
+    g = torch.Generator().manual_seed(0)
+    N, T, eps, delta = 1200, 8, 0.05, 0.1
+    difficulty = torch.rand(N, generator=g)
+    # a step is wrong with a probability that falls with depth, faster for easy samples
+    p_wrong = (difficulty[:, None] * torch.linspace(1.0, 0.15, T)[None]).clamp(0, 1)
+    wrong = (torch.rand(N, T, generator=g) < p_wrong).float()
+    wrong[:, -1] = (torch.rand(N, generator=g) < 0.15 * difficulty).float()
+    # wrong where full depth is right (CALM's consistency form): in [0, 1], and its mean bounds the accuracy drop
+    losses = (wrong - wrong[:, -1:]).clamp_min(0)
+    scores = (1 - difficulty[:, None]) * torch.linspace(0.2, 1.0, T - 1)[None] + 0.1 * torch.rand(N, T - 1, generator=g)
+    violations, saved = 0, []
+    for split in range(200):
+        perm = torch.randperm(N, generator=torch.Generator().manual_seed(split))
+        cal_i, test_i = perm[:600], perm[600:]
+        cal = calibrate_risk(scores[cal_i], losses[cal_i], eps, delta, "quantile", loss_range=(0.0, 1.0))
+        stops = first_crossing(scores[test_i], cal.threshold)
+        risk = float((wrong[test_i].gather(1, (stops - 1)[:, None]) - wrong[test_i, -1:]).mean())  # accuracy drop
+        violations += risk > eps
+        saved.append(1 - float(stops.float().mean()) / T)
+    assert violations <= delta * 200
+    assert sum(saved) / len(saved) > 0.1  # and it does stop early: the guarantee is not bought by never stopping
+
+
+def test_bad_calibration_targets_name_the_flag():
+    s, c = torch.rand(5, 3), torch.arange(1, 5.0) / 4
+    for b in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match="--budget"):
+            calibrate_budget(s, c, b, "quantile")
+    with pytest.raises(ConfigError, match="--epsilon"):
+        calibrate_risk(s, torch.zeros(5, 4), -0.1, 0.1, "quantile")
+    for d in (0.0, 1.0, 2.0):
+        with pytest.raises(ConfigError, match="--delta"):
+            calibrate_risk(s, torch.zeros(5, 4), 0.1, d, "quantile")
+    with pytest.raises(ConfigError, match="inference.param"):
+        InferenceConfig(rule="quantile", param=1.5)
+    with pytest.raises(ConfigError, match="inference.rule"):
+        InferenceConfig(rule="magic")
+
+
+def test_validation_uses_the_evaluation_rule(sm):
+    y = torch.randn(200, 6, generator=torch.Generator().manual_seed(5))
+    target = torch.randint(0, 5, (200,), generator=torch.Generator().manual_seed(6))
+    loss_fn = lambda out, tgt: nn.functional.cross_entropy(out, tgt, reduction="none")
+    batches = [(y, target)]
+    for rule, param in (("quantile", 0.3), ("quantile", 0.8), ("threshold", 0.6)):
+        inf = InferenceConfig(rule=rule, param=param)
+        val = validation_scores(sm, batches, loss_fn, inf)
+        with torch.no_grad():
+            r = run_with_early_exit(sm.model, y, inf.make_rule(sm.policy))
+        assert val["depth"] == pytest.approx(float(r.stop_times.float().mean()))
+        assert val["policy"] == pytest.approx(float(loss_fn(r.outputs, target).mean()), rel=1e-5)
+
+
+class _Task:
+    def loss_fn(self, out, tgt):
+        return nn.functional.cross_entropy(out, tgt, reduction="none")
+
+    def sample_batch(self, n, gen, device):
+        y = torch.randn(n, 6, generator=gen)
+        return y, (y[:, :5].argmax(1))
+
+    def validation_batches(self, device):
+        return [self.sample_batch(64, torch.Generator().manual_seed(0), device)]
+
+
+def test_the_trainer_validates_with_its_inference_rule(tmp_path, sm):
+    inf = InferenceConfig(rule="quantile", param=0.2)
+    tr = StagedTrainer(sm, _Task(), tmp_path, progress=False, inference=inf)
+    assert tr._validate(StageConfig(objective="stage2")) == validation_scores(sm, _Task().validation_batches("cpu"),
+                                                                              _Task().loss_fn, inf, seed=tr_seed(tr))
+
+
+def tr_seed(tr):
+    from learn2stop.core import derive_seed
+
+    return derive_seed(tr.seed, "validation")
+
+
+def test_frontier_and_calibrate_run_end_to_end_on_tiny_sparse(tmp_path, capsys):
+    from learn2stop.cli import main
+    from tests.test_cli import TINY
+
+    run = tmp_path / "run"
+    assert main(["sparse", "frontier", "--run-dir", str(run), "--no-progress", *TINY]) == 2
+    assert "run the 'train' command" in capsys.readouterr().err
+    assert main(["sparse", "train", "--run-dir", str(run), "--no-progress", "--run_aevb", "false",
+                 "--run_stage3", "false", *TINY]) == 0
+    assert main(["sparse", "calibrate", "--run-dir", str(run), "--budget", "1.5", *TINY]) == 2
+    assert "--budget" in capsys.readouterr().err
+    assert main(["sparse", "calibrate", "--run-dir", str(run), "--budget", "0.6", *TINY]) == 0
+    cal = json.loads((run / "calibration.json").read_text())
+    assert cal["target"] == {"kind": "budget", "budget": 0.6} and cal["calibration"]["mean_cost"] <= 0.6 + 1e-6
+    assert main(["sparse", "frontier", "--run-dir", str(run), "--no-progress", *TINY]) == 0
+    fr = json.loads((run / "frontier.json").read_text())
+    assert fr["metric"] == "NMSE (dB)" and fr["lower_is_better"] is True and fr["num_steps"] == 5
+    assert {"fixed_depth", "baseline_fixed_depth", "tolerance", "policy", "oracle"} <= set(fr["curves"])
+    for name in ("fixed_depth", "baseline_fixed_depth", "tolerance", "policy"):
+        for p in fr["curves"][name]:
+            assert {"mean_steps", "metric", "samples_per_s_batch1", "samples_per_s_batchN"} <= set(p)
+            assert p["samples_per_s_batch1"] > 0
+    assert [p["mean_steps"] for p in fr["curves"]["fixed_depth"]] == [1, 2, 3, 4, 5]
+    assert fr["full_depth"]["metric"] == pytest.approx(fr["curves"]["fixed_depth"][-1]["metric"])
+    for p in fr["curves"]["policy"]:
+        assert p["mean_steps"] / 5 <= p["budget"] + 0.15  # calibrated on validation, scored on test
+    assert (run / "frontier.png").is_file() and "| policy |" in (run / "frontier.md").read_text()
+    # evaluate now uses the calibrated rule
+    assert main(["sparse", "evaluate", "--run-dir", str(run), "--no-progress", "--run_aevb", "false",
+                 "--run_stage3", "false", *TINY]) == 0
+    assert "calibrated quantile rule" in capsys.readouterr().out
