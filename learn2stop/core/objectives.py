@@ -25,7 +25,7 @@ OBJECTIVES: Registry[Callable] = Registry("stage objective")
 
 #: variants allowed per objective; the first is the default.
 VARIANTS = {
-    "deep_supervision": ("discounted",),
+    "deep_supervision": ("discounted", "last", "weighted"),
     "stage1": ("expected", "marginal", "sampled"),
     "stage2": ("forward_kl", "map", "reverse_kl"),
     "stage3": ("beta_vae",),
@@ -68,7 +68,9 @@ class StageConfig:
     """One training stage: its objective and optimisation settings.
 
     objective: deep_supervision (baseline), stage1, stage2, stage3 or aevb.
-    variant: stage1 expected|marginal|sampled; stage2 forward_kl|map|reverse_kl; "" picks the first.
+    variant: deep_supervision discounted|last|weighted; stage1 expected|marginal|sampled;
+        stage2 forward_kl|map|reverse_kl; "" picks the first.
+    step_weights: deep_supervision "weighted": w_1..w_T (e.g. SDN's IC weights and 1 for the final output).
     recompute: sampled Stage I computes every step's loss without gradients, samples t ~ q*, then
         recomputes only steps 1..t with gradients (the memory-efficient scheme of App. B.2).
     select: validation criterion for keeping the best weights: last|oracle|policy|none; "" = objective's default.
@@ -92,6 +94,7 @@ class StageConfig:
     prior_rate: float | None = None
     price: float | None = None
     recompute: bool = False
+    step_weights: tuple[float, ...] = ()
     eval_every: int = 100
     checkpoint_every: int = 100
     select: str = ""
@@ -120,6 +123,8 @@ class StageConfig:
             non_negative(self.price, "price")
         require(isinstance(self.eval_every, int) and self.eval_every >= 1, "eval_every", f"must be an integer >= 1; got {self.eval_every!r}")
         require(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 1, "checkpoint_every", f"must be an integer >= 1; got {self.checkpoint_every!r}")
+        require(all(isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 for w in self.step_weights),
+                "step_weights", f"must be finite numbers >= 0; got {self.step_weights}")
         if self.select == "":
             self.select = SELECTS[self.objective]
         one_of(self.select, ("last", "oracle", "policy", "none"), "select")
@@ -183,10 +188,20 @@ def _summary(losses: Tensor, stop_logits: Tensor | None, beta: float) -> dict[st
 
 @OBJECTIVES.register("deep_supervision")
 def deep_supervision(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfig, generator) -> tuple[Tensor, dict]:
-    """Baseline: sum_t gamma^(T-t) l_t (normalised), e.g. LISTA's training loss (Sec. 5.1)."""
+    """Baseline: sum_t w_t l_t with w_t = gamma^(T-t) normalised (LISTA, Sec. 5.1), the last step only
+    (a plain network), or given weights (SDN's internal-classifier weights)."""
     r = sm.unroll(inputs, target, loss_fn, use_policy=False)
-    w = L.discounted_weights(sm.num_steps, cfg.gamma).to(r.losses)
-    return L.weighted_step_loss(r.losses, w), _summary(r.losses.detach(), None, cfg.beta)
+    T = sm.num_steps
+    if cfg.variant == "last":
+        w = torch.zeros(T).index_fill_(0, torch.tensor([T - 1]), 1.0)
+    elif cfg.variant == "weighted":
+        if len(cfg.step_weights) != T or sum(cfg.step_weights) <= 0:
+            raise ValueError(f"step_weights must hold {T} weights (one per step) with a positive sum; "
+                             f"got {cfg.step_weights}")
+        w = torch.tensor(cfg.step_weights, dtype=torch.float32)
+    else:
+        w = L.discounted_weights(T, cfg.gamma)
+    return L.weighted_step_loss(r.losses, w.to(r.losses)), _summary(r.losses.detach(), None, cfg.beta)
 
 
 @OBJECTIVES.register("stage1")

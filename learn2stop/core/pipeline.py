@@ -66,6 +66,8 @@ class StoppingApp:
     speed_batch = 1000
     #: samples timed one by one at batch 1.
     speed_samples = 200
+    #: other trainings whose classical rules the frontier also draws: {curve prefix: stage name}.
+    frontier_also: dict = {}
 
     # ---------------------------------------------------------------- task
     def build_models(self, cfg: Any, device) -> dict[str, StoppingModel]:
@@ -99,6 +101,11 @@ class StoppingApp:
         """
         sign = 1.0 if self.metric(cfg).lower_is_better else -1.0
         return sign * (trace.metric - trace.metric[:, -1:]), None
+
+    def cost_unit(self, cfg: Any, sm: StoppingModel) -> tuple[str, float] | None:
+        """(name, full-depth amount) of the model's cost, e.g. ("flops", FLOPs of exiting at T): every
+        frontier point then also carries ``mean_<name>``."""
+        return None
 
     # ---------------------------------------------------------------- shared settings
     def method(self, cfg: Any) -> MethodConfig:
@@ -237,6 +244,18 @@ def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5,
     for name, factory in app.classical_signals(cfg).items():
         curves[name] = sweep_curve(test, metric, test.signals[name], factory())
         rules[name] = lambda p, f=factory: (lambda: SignalRule(f(), p["threshold"]))
+    model_of: dict[str, Any] = {}
+    for prefix, stage in app.frontier_also.items():
+        other = load_stage(app, cfg, run.run_dir, stage, dev)
+        otrace = collect_trace(other.model, app.eval_batches(cfg, "test", dev), metric, dev,
+                               signals=app.classical_signals(cfg), extras=app.trace_extras(cfg))
+        curves[f"{prefix}_fixed_depth"] = fixed_depth_curve(otrace, metric)
+        rules[f"{prefix}_fixed_depth"] = rules["fixed_depth"]
+        model_of[f"{prefix}_fixed_depth"] = other.model
+        for name, factory in app.classical_signals(cfg).items():
+            curves[f"{prefix}_{name}"] = sweep_curve(otrace, metric, otrace.signals[name], factory())
+            rules[f"{prefix}_{name}"] = rules[name]
+            model_of[f"{prefix}_{name}"] = other.model
     if sm.policy is not None:
         rule = app.inference(cfg).rule if app.inference(cfg).rule in POLICY_RULES else "quantile"
         curves["policy"] = budget_curve(test, metric, val, rule, SIGNALS[rule](sm.policy), budgets, app.budget_by)
@@ -252,7 +271,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5,
         bn = min(app.speed_batch, N)
         one = tree_map(lambda x: x[:min(app.speed_samples, N)], inputs)
         big = tree_map(lambda x: x[:bn * max(1, min(N // bn, 3))], inputs)
-        model_of = {"baseline_fixed_depth": base.model if base is not None else None}
+        model_of["baseline_fixed_depth"] = base.model if base is not None else None
 
         def speeds(point, factory, model):
             point["samples_per_s_batch1"] = measure_speed(model, one, factory, 1)
@@ -264,6 +283,10 @@ def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5,
                 continue
             for p in pts:
                 speeds(p, rules[name](p), model_of.get(name) or sm.model)
+    unit = app.cost_unit(cfg, sm)
+    if unit is not None:
+        for p in [full] + [p for pts in curves.values() for p in pts]:
+            p[f"mean_{unit[0]}"] = p["mean_cost"] * unit[1]
     result = {"metric": metric.name, "lower_is_better": metric.lower_is_better, "num_steps": T,
               "full_depth": full, "batch_n": min(app.speed_batch, N), "device": str(dev or "cpu"),
               "test_samples": N, "budget_by": app.budget_by, "curves": curves}

@@ -1,0 +1,387 @@
+"""Early-exit image recognition (paper Sec. 5.4, Table 7): VGG-BN with internal classifiers.
+
+    learn2stop classify reproduce --preset quick        # CIFAR-10 subset of ../shared/data, ~15 min on 2 cores
+    learn2stop classify frontier --run-dir runs/classify-quick
+    learn2stop classify predict --run-dir runs/classify-quick --predict.input photo.png
+
+Trainings on one architecture: the network alone (last classifier only), SDN (internal classifiers
+weighted by SDN's tau), and Stage I with the oracle (softmin of the cross-entropies, beta = 1,
+optionally with a price on FLOPs), then the Stage II policy. Exit rules compared on the same
+networks: confidence (SDN), entropy, patience (PABEE), the learned policy calibrated to budgets,
+and the oracle exit (the first internal classifier that is right: a bound).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, derive_seed
+from ...core.evaluation import collect_trace, evaluate_rule
+from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage, run_pipeline, stop_model_trace
+from ...core.rules import ConfidenceSignal, EntropySignal, PatienceSignal, SignalRule, first_crossing
+from ...core.calibration import calibrate_budget
+from ...utils.config import ConfigError, one_of, positive, require
+from ...utils.report import markdown_table, write_json
+from ..base import RunContext, TaskSpec, register_task
+from .data import Augment, ImageDataError, ImageSet, channel_stats, list_datasets, load_dataset, load_image_file, \
+    load_image_folder, normalize, split_validation
+from .models import VGG_CONFIGS, build_vgg, exit_flops, full_network_flops
+from .policy import ExitPolicy
+
+PAPER_TABLE7 = {"VGG16": 58.60, "SDN training (best IC)": 77.78, "Stage I (oracle exit)": 83.26}
+SOURCES = ("synthetic", *list_datasets())
+
+
+@dataclass
+class DataConfig:
+    """The images. ``synthetic``: generated class-coded textures (no data needed; tests and demos)."""
+
+    kind: str = "tiny_imagenet"
+    path: str = "data/tiny-imagenet-200"
+    size: int = 64
+    val_fraction: float = 0.1
+    augment: bool = True
+    synthetic_per_class: int = 60
+    synthetic_classes: int = 4
+
+    def __post_init__(self):
+        one_of(self.kind, SOURCES, "data.kind")
+        require(0 < self.val_fraction < 1, "data.val_fraction", f"must be in (0, 1); got {self.val_fraction}")
+        require(isinstance(self.size, int) and self.size >= 8, "data.size", f"must be an integer >= 8; got {self.size!r}")
+        require(self.kind == "synthetic" or self.path != "", "data.path", f"needed for data.kind = {self.kind}")
+
+
+@dataclass
+class ModelConfig:
+    vgg: str = "vgg16"
+    ic_positions: tuple[int, ...] = ()  # () = the size preset's (SDN's FLOP-based placement)
+    fc_width: int = 0  # 0 = the size preset's
+    dropout: float = 0.5
+    policy_hidden: int = 32
+
+    def __post_init__(self):
+        one_of(self.vgg, VGG_CONFIGS.names(), "model.vgg")
+        require(self.fc_width >= 0, "model.fc_width", f"must be >= 0; got {self.fc_width}")
+        require(0 <= self.dropout < 1, "model.dropout", f"must be in [0, 1); got {self.dropout}")
+        require(self.policy_hidden >= 1, "model.policy_hidden", f"must be >= 1; got {self.policy_hidden}")
+
+
+@dataclass
+class PredictConfig:
+    input: str = ""  # an image file or a folder of images
+    output: str = ""  # default <run-dir>/predictions.json
+
+
+def _stage(**kw):
+    base = dict(iterations=60_000, batch_size=128, lr=1e-3, weight_decay=5e-4, lr_schedule="cosine",
+                eval_every=1000, checkpoint_every=1000)
+    return field(default_factory=lambda: StageConfig(**{**base, **kw}))
+
+
+@dataclass
+class ClassifyConfig:
+    """VGG with internal classifiers: the network alone, SDN training, Stage I + II (paper Table 7)."""
+
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    method: MethodConfig = field(default_factory=lambda: MethodConfig(beta=1.0))
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    baseline: StageConfig = _stage(objective="deep_supervision", variant="last", select="last")
+    sdn: StageConfig = _stage(objective="deep_supervision", variant="weighted", select="oracle")
+    stage1: StageConfig = _stage(objective="stage1", variant="expected")
+    stage2: StageConfig = _stage(objective="stage2", variant="forward_kl", iterations=3000, lr=3e-3, weight_decay=0.0,
+                                 lr_schedule="constant", eval_every=250, checkpoint_every=250)
+    stage3: StageConfig = _stage(objective="stage3", iterations=0, lr=1e-4)
+    sdn_tau: tuple[float, ...] = (0.15, 0.3, 0.45, 0.6, 0.75, 0.9)  # SDN's final IC weights (interpolated to the ICs)
+    eval_batch: int = 256
+    table_budget: float = 0.5  # Table 7 compares the policy and the confidence rule at this share of the FLOPs
+    predict: PredictConfig = field(default_factory=PredictConfig)
+
+    def __post_init__(self):
+        for name, obj in (("baseline", "deep_supervision"), ("sdn", "deep_supervision"), ("stage1", "stage1"),
+                          ("stage2", "stage2"), ("stage3", "stage3")):
+            require(getattr(self, name).objective == obj, f"{name}.objective", f"must be {obj!r}")
+        require(len(self.sdn_tau) >= 1 and all(0 < t <= 1 for t in self.sdn_tau), "sdn_tau", "weights in (0, 1]")
+        require(self.eval_batch >= 1, "eval_batch", "must be >= 1")
+        require(0 < self.table_budget <= 1, "table_budget", f"must be in (0, 1]; got {self.table_budget}")
+
+
+def _quick(it: int, **kw) -> dict:
+    return {"iterations": it, "batch_size": 128, "eval_every": max(it // 5, 1), "checkpoint_every": max(it // 5, 1), **kw}
+
+
+PRESETS: dict[str, dict] = {
+    # The CIFAR-10 subset of ../shared/data (4,068 train / 1,017 test), a narrow 6-conv VGG with 5 ICs.
+    "quick": {"data": {"kind": "cifar_subset_npz", "path": "../shared/data/cifar10-subset", "size": 32},
+              "model": {"vgg": "vgg6-narrow"}, "baseline": _quick(500), "sdn": _quick(700), "stage1": _quick(700),
+              "stage2": _quick(600, lr=3e-3, weight_decay=0.0, lr_schedule="constant"), "method": {"price": 1.0}},
+    # VGG16-BN on the same subset (a few CPU-hours; benchmarks/classify_cifar.py).
+    "cifar": {"data": {"kind": "cifar_subset_npz", "path": "../shared/data/cifar10-subset", "size": 32},
+              "model": {"vgg": "vgg16"}, "baseline": _quick(6000), "sdn": _quick(6000), "stage1": _quick(6000),
+              "stage2": _quick(1500, lr=3e-3, weight_decay=0.0, lr_schedule="constant"), "method": {"price": 1.0}},
+    # The paper: VGG16-BN on Tiny-ImageNet at 64x64 (a GPU job; the dataclass defaults).
+    "paper": {},
+}
+
+
+# ----------------------------------------------------------------------------- data
+def synthetic_set(n_per_class: int, classes: int, size: int, seed: int) -> ImageSet:
+    """Class-coded oriented gratings in colour with noise: an embedded, learnable stand-in."""
+    g = torch.Generator().manual_seed(seed)
+    yy, xx = torch.meshgrid(torch.arange(size, dtype=torch.float32), torch.arange(size, dtype=torch.float32), indexing="ij")
+    imgs, labels = [], []
+    for k in range(classes):
+        angle = torch.pi * k / classes + 0.3 * torch.randn(n_per_class, 1, 1, generator=g)
+        freq = 0.3 + 0.05 * torch.rand(n_per_class, 1, 1, generator=g)
+        wave = torch.sin(freq * (xx * torch.cos(angle) + yy * torch.sin(angle)))  # (n, H, W)
+        colour = torch.rand(n_per_class, 3, 1, 1, generator=g)
+        img = 0.5 + 0.35 * wave[:, None] * colour + 0.25 * torch.randn(n_per_class, 3, size, size, generator=g)
+        imgs.append((img.clamp(0, 1) * 255).to(torch.uint8))
+        labels += [k] * n_per_class
+    return ImageSet(torch.cat(imgs).numpy(), np.array(labels), [f"class{k}" for k in range(classes)], "synthetic")
+
+
+class Images:
+    """Train / validation / test sets and the training normalisation, loaded once and checked."""
+
+    def __init__(self, cfg: ClassifyConfig):
+        d = cfg.data
+        if d.kind == "synthetic":
+            train = synthetic_set(d.synthetic_per_class, d.synthetic_classes, d.size, cfg.seed)
+            test = synthetic_set(max(d.synthetic_per_class // 3, 2), d.synthetic_classes, d.size, cfg.seed + 1)
+        else:
+            train, test = load_dataset(d.kind, d.path, **({"size": d.size} if d.kind in ("tiny_imagenet", "folder") else {}))
+        for s in (train, test):
+            if s.image_shape[1:] != (d.size, d.size):
+                raise ImageDataError(f"{s.source}: images are {s.image_shape[1]}x{s.image_shape[2]}, but data.size "
+                                     f"is {d.size}; set --data.size {s.image_shape[1]}")
+        self.train, self.val = split_validation(train, d.val_fraction, cfg.seed)
+        self.test, self.classes = test, train.classes
+        self.mean, self.std = channel_stats(self.train.images)
+
+    def prepare(self, images: Tensor) -> Tensor:
+        return normalize(images, self.mean, self.std)
+
+    def batches(self, split: str, batch: int, device) -> list[tuple[Tensor, Tensor]]:
+        s = {"train": self.train, "val": self.val, "test": self.test}[split]
+        x, y = s.tensors()
+        return [(self.prepare(x[i:i + batch]).to(device), y[i:i + batch].to(device)) for i in range(0, len(s), batch)]
+
+
+class ClassifyTask:
+    """Augmented training batches and the fixed validation set, for the trainer."""
+
+    def __init__(self, images: Images, augment: bool, batch: int):
+        self.images, self.augment, self.batch = images, Augment() if augment else None, batch
+        self.x, self.y = images.train.tensors()
+
+    @staticmethod
+    def loss_fn(logits: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(logits, target, reduction="none")
+
+    def sample_batch(self, n: int, generator: torch.Generator, device):
+        idx = torch.randint(len(self.y), (n,), generator=generator)
+        x = self.x[idx]
+        if self.augment is not None:
+            x = self.augment(x, generator)
+        return self.images.prepare(x).to(device), self.y[idx].to(device)
+
+    def validation_batches(self, device):
+        return self.images.batches("val", self.batch, device)
+
+
+# ----------------------------------------------------------------------------- the pipeline
+class ClassifyApp(StoppingApp):
+    budget_by = "cost"  # budgets and the frontier's x-axis in FLOPs
+    frontier_also = {"sdn": "sdn"}  # the confidence, entropy and patience rules on the SDN-trained network too
+    speed_batch = 256
+    speed_samples = 200
+
+    def __init__(self):
+        self._images: dict[str, Images] = {}
+
+    def images(self, cfg: ClassifyConfig) -> Images:
+        key = repr((cfg.data, cfg.seed))
+        if key not in self._images:
+            self._images = {key: Images(cfg)}
+        return self._images[key]
+
+    def network(self, cfg: ClassifyConfig):
+        m, imgs = cfg.model, self.images(cfg)
+        kw = {"fc_width": m.fc_width} if m.fc_width else {}
+        net = build_vgg(m.vgg, len(imgs.classes), cfg.data.size, m.ic_positions or None, dropout=m.dropout,
+                        in_channels=imgs.train.image_shape[0], **kw)
+        net.exit_costs = exit_flops(net)  # cumulative FLOPs of exiting at t: the price's and the frontier's cost
+        return net
+
+    def build_models(self, cfg: ClassifyConfig, device) -> dict[str, StoppingModel]:
+        torch.manual_seed(derive_seed(cfg.seed, "init") % 2**63)
+        nets = {k: self.network(cfg) for k in ("baseline", "sdn", "stop")}
+        n = nets["stop"]
+        policy = ExitPolicy(n.num_classes, n.num_steps, hidden=cfg.model.policy_hidden)
+        return {k: StoppingModel(v, policy if k == "stop" else None).to(device) for k, v in nets.items()}
+
+    def training_task(self, cfg, key, sm):
+        return ClassifyTask(self.images(cfg), cfg.data.augment, cfg.eval_batch)
+
+    def stages(self, cfg: ClassifyConfig) -> list[Stage]:
+        T = self.network(cfg).num_steps
+        tau = np.interp(np.linspace(0, 1, T - 1), np.linspace(0, 1, len(cfg.sdn_tau)), cfg.sdn_tau).tolist()
+        sdn = StageConfig(**{**cfg.sdn.__dict__, "step_weights": tuple(tau) + (1.0,)})
+        out = [Stage("baseline", "baseline", cfg.baseline, describe="the network alone (last classifier)"),
+               Stage("sdn", "sdn", sdn, describe=f"SDN: IC losses weighted {[round(t, 2) for t in tau]} + final"),
+               Stage("stage1", "stop", cfg.stage1, describe="Stage I: oracle-weighted IC losses"),
+               Stage("stage2", "stop", cfg.stage2, describe="Stage II: the exit policy")]
+        if cfg.stage3.iterations > 0:
+            out.append(Stage("stage3", "stop", cfg.stage3, describe="Stage III"))
+        return out
+
+    def eval_batches(self, cfg, split, device):
+        return self.images(cfg).batches(split, cfg.eval_batch, device)
+
+    def metric(self, cfg) -> Metric:
+        return Metric("accuracy (%)", lambda logits, y: (logits.argmax(1) == y).float(), lower_is_better=False,
+                      aggregate=lambda v, ex: 100 * v.double().mean())
+
+    def classical_signals(self, cfg):
+        return {"confidence": ConfidenceSignal, "entropy": EntropySignal, "patience": PatienceSignal}
+
+    def risk_losses(self, cfg, trace):
+        """Wrong where full depth is right (CALM's consistency form), in [0, 1]: epsilon is in accuracy fraction."""
+        return (trace.metric[:, -1:] - trace.metric).clamp_min(0), (0.0, 1.0)
+
+    def cost_unit(self, cfg, sm):
+        return "flops", float(exit_flops(sm.model)[-1])
+
+
+APP = ClassifyApp()
+
+
+def _as_run(run) -> RunContext:
+    return run if isinstance(run, RunContext) else RunContext(Path(run))
+
+
+# ----------------------------------------------------------------------------- commands
+def train(cfg: ClassifyConfig, run) -> dict:
+    run = _as_run(run)
+    run.prepare(cfg)
+    imgs = APP.images(cfg)
+    run.log(f"classify: {len(imgs.train)} train / {len(imgs.val)} validation / {len(imgs.test)} test images, "
+            f"{len(imgs.classes)} classes, {cfg.data.size}x{cfg.data.size}")
+    return run_pipeline(APP, cfg, run)
+
+
+@torch.no_grad()
+def evaluate(cfg: ClassifyConfig, run) -> dict:
+    """Table 7: every training's accuracy per exit, oracle exit, and the rules at equal FLOPs."""
+    run = _as_run(run)
+    dev, metric = run.device, APP.metric(cfg)
+    test = APP.eval_batches(cfg, "test", dev)
+    rows, result = [], {"per_exit": {}}
+    traces = {}
+    for stage, label in (("baseline", "network alone"), ("sdn", "SDN training"), ("stage2", "Stage I (+ II policy)")):
+        sm = load_stage(APP, cfg, run.run_dir, stage, dev)
+        if stage == "stage2":
+            tr = stop_model_trace(APP, cfg, sm, "test", dev)
+        else:
+            tr = collect_trace(sm.model, test, metric, dev,
+                               signals={k: f for k, f in APP.classical_signals(cfg).items()})
+        traces[stage] = (tr, sm)
+        acc = (100 * tr.metric.mean(0)).tolist()
+        result["per_exit"][label] = acc
+        rows.append([label, acc[-1], max(acc), 1 + int(np.argmax(acc)), 100 * float(tr.metric.amax(1).mean())])
+    full_flops = full_network_flops(traces["baseline"][1].model)
+    tr, sm = traces["stage2"]
+    val = stop_model_trace(APP, cfg, sm, "val", dev)
+    flops = torch.tensor(exit_flops(sm.model), dtype=torch.float64)
+    rule_rows = []
+    for name, network in (("policy", "stage2"), ("confidence", "stage2"), ("confidence", "sdn"), ("entropy", "stage2"),
+                          ("patience", "stage2")):
+        trace = traces[network][0]
+        signal = APP.classical_signals(cfg)[name]() if name != "policy" else None
+        key = "quantile" if name == "policy" else name
+        vtrace = val if network == "stage2" else collect_trace(traces[network][1].model, APP.eval_batches(cfg, "val", dev),
+                                                               metric, dev, signals={name: APP.classical_signals(cfg)[name]})
+        cal = calibrate_budget(vtrace.signals[key], vtrace.costs, cfg.table_budget, key,
+                               (signal or ConfidenceSignal()).to_param)
+        stops = first_crossing(trace.signals[key], cal.threshold)
+        rule_rows.append([f"{name} on {'Stage I' if network == 'stage2' else 'SDN'} network", cfg.table_budget,
+                          metric(trace.at(stops)), float(flops[stops - 1].mean() / full_flops) * 100,
+                          float(stops.float().mean())])
+    sm_rule, desc = deployed_rule(APP, cfg, run.run_dir, sm)
+    deployed = evaluate_rule(sm.model, test, lambda: sm_rule, metric, dev)
+    result.update({"table": rows, "rules_at_equal_flops": rule_rows, "full_network_flops": full_flops,
+                   "deployed": {"rule": desc, "accuracy": deployed["metric"], "mean_steps": deployed["mean_steps"],
+                                "flops_fraction": float(flops[deployed["stop_times"] - 1].mean() / full_flops)}})
+    table = markdown_table(["training", "final classifier %", "best single exit %", "best exit", "oracle exit %"], rows)
+    rules = markdown_table(["rule", "budget (FLOPs share, validation)", "test accuracy %", "test FLOPs % of network",
+                            "mean exit"], rule_rows)
+    paper = ", ".join(f"{k} {v:.2f}" for k, v in PAPER_TABLE7.items())
+    text = (f"# Table 7: early-exit recognition ({cfg.model.vgg}, {cfg.data.kind}, {len(tr.metric)} test images)\n\n"
+            f"{table}\n\nPaper (VGG16-BN, Tiny-ImageNet): {paper}.\n\n## Exit rules at equal FLOPs\n\n{rules}\n\n"
+            f"Deployed ({desc}): {deployed['metric']:.2f} % at {100 * result['deployed']['flops_fraction']:.1f} % "
+            f"of the network's FLOPs ({full_flops / 1e6:.1f} MFLOPs per image).\n")
+    if run.ctx.is_main:
+        (run.run_dir / "table7.md").write_text(text)
+        write_json(result, run.run_dir / "results.json")
+    run.log(text)
+    return result
+
+
+@torch.no_grad()
+def predict(cfg: ClassifyConfig, run) -> dict:
+    """An image file or folder in: class, exit step and FLOPs spent per image out (``predictions.json``)."""
+    run = _as_run(run)
+    src = Path(cfg.predict.input)
+    if not cfg.predict.input or not src.exists():
+        raise ConfigError(f"predict.input: give an image file or folder; got {cfg.predict.input!r}")
+    imgs = APP.images(cfg)
+    files = sorted(p for p in src.rglob("*") if p.is_file()) if src.is_dir() else [src]
+    arrays = []
+    for f in files:
+        arr, notes = load_image_file(f, cfg.data.size, imgs.train.image_shape[0])
+        for n in notes:
+            run.log(f"note: {n}")
+        arrays.append(arr)
+    sm = load_stage(APP, cfg, run.run_dir, APP.stop_stage, run.device)
+    rule, desc = deployed_rule(APP, cfg, run.run_dir, sm)
+    from ...core.loop import run_with_early_exit
+
+    x = imgs.prepare(torch.from_numpy(np.stack(arrays))).to(run.device)
+    r = run_with_early_exit(sm.model, x, rule)
+    flops = exit_flops(sm.model)
+    out = [{"file": str(f), "class": imgs.classes[int(c)], "exit": int(t), "flops": int(flops[int(t) - 1])}
+           for f, c, t in zip(files, r.outputs.argmax(1).tolist(), r.stop_times.tolist())]
+    path = Path(cfg.predict.output) if cfg.predict.output else run.run_dir / "predictions.json"
+    if run.ctx.is_main:
+        write_json({"rule": desc, "predictions": out}, path)
+    for o in out:
+        run.log(f"{o['file']}: {o['class']} (exit {o['exit']}/{sm.num_steps}, {o['flops'] / 1e6:.2f} MFLOPs)")
+    return {"predictions": out}
+
+
+def reproduce(cfg: ClassifyConfig, run) -> dict:
+    """Train every network, Table 7, then the frontier."""
+    from ...core.pipeline import frontier_command
+
+    run = _as_run(run)
+    train(cfg, run)
+    out = evaluate(cfg, run)
+    out["frontier"] = frontier_command(APP, cfg, run)["summary"]
+    return out
+
+
+SPEC = register_task(TaskSpec(
+    name="classify",
+    description="Early-exit image recognition: VGG with internal classifiers, SDN vs Stage I + policy (Sec. 5.4, Table 7)",
+    config_class=ClassifyConfig,
+    presets=PRESETS,
+    commands={"train": train, "evaluate": evaluate, "reproduce": reproduce, "predict": predict},
+    app=APP,
+))

@@ -1,0 +1,101 @@
+"""Early-exit recognition end to end: reproduce, calibrate, frontier, predict, bad input (tiny configs)."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from learn2stop.cli import main
+
+TINY = ["--data.kind", "synthetic", "--data.size", "16", "--data.synthetic_per_class", "24",
+        "--data.synthetic_classes", "3", "--model.vgg", "vgg6-narrow", "--model.fc_width", "16", "--eval_batch", "64",
+        "--no-progress", "--threads", "1",
+        *[a for s in ("baseline", "sdn", "stage1", "stage2")
+          for a in (f"--{s}.iterations", "8", f"--{s}.batch_size", "16", f"--{s}.eval_every", "4",
+                    f"--{s}.checkpoint_every", "4")]]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    run = tmp_path_factory.mktemp("classify") / "run"
+    assert main(["classify", "reproduce", "--run-dir", str(run), *TINY]) == 0
+    return run
+
+
+def test_reproduce_writes_table7_and_the_frontier(trained):
+    for f in ("table7.md", "results.json", "frontier.json", "frontier.md", "frontier.png", "checkpoints/sdn.pt",
+              "checkpoints/stage2.pt", "training_summary.json"):
+        assert (trained / f).is_file(), f
+    text = (trained / "table7.md").read_text()
+    assert "SDN training" in text and "confidence on SDN network" in text and "policy on Stage I network" in text
+    fr = json.loads((trained / "frontier.json").read_text())
+    assert fr["metric"] == "accuracy (%)" and fr["lower_is_better"] is False and fr["num_steps"] == 6
+    assert {"fixed_depth", "confidence", "entropy", "patience", "policy", "oracle", "sdn_confidence",
+            "baseline_fixed_depth"} <= set(fr["curves"])
+    assert "mean_flops" in fr["full_depth"]
+    for name in ("confidence", "policy", "fixed_depth"):
+        for p in fr["curves"][name]:
+            assert p["mean_flops"] > 0 and p["samples_per_s_batch1"] > 0 and p["samples_per_s_batchN"] > 0
+    flops = [p["mean_flops"] for p in fr["curves"]["fixed_depth"]]
+    assert flops == sorted(flops) and flops[-1] == pytest.approx(fr["full_depth"]["mean_flops"])
+    # the oracle exit bounds every rule from above at equal or lower cost
+    best_oracle = max(p["metric"] for p in fr["curves"]["oracle"])
+    assert best_oracle >= max(p["metric"] for p in fr["curves"]["fixed_depth"])
+
+
+def test_calibrate_risk_and_predict_use_the_calibrated_rule(trained, tmp_path, capsys):
+    assert main(["classify", "calibrate", "--run-dir", str(trained), "--epsilon", "0.05", "--delta", "0.2", *TINY]) == 0
+    cal = json.loads((trained / "calibration.json").read_text())
+    assert cal["target"]["kind"] == "risk" and cal["target"]["p_value"] == "hoeffding-bentkus"
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(folder / "a.png")
+    Image.fromarray(rng.integers(0, 255, (20, 20), dtype=np.uint8)).save(folder / "b.png")  # grey, other size
+    capsys.readouterr()
+    assert main(["classify", "predict", "--run-dir", str(trained), "--predict.input", str(folder), *TINY]) == 0
+    out = capsys.readouterr().out
+    assert "converted" in out and "resized" in out
+    pred = json.loads((trained / "predictions.json").read_text())
+    assert "calibrated confidence" not in pred["rule"] and "calibrated quantile rule" in pred["rule"]
+    assert [p["file"].endswith(n) for p, n in zip(pred["predictions"], ("a.png", "b.png"))] == [True, True]
+    for p in pred["predictions"]:
+        assert 1 <= p["exit"] <= 6 and p["flops"] > 0 and p["class"].startswith("class")
+    (folder / "c.png").write_bytes(b"not an image")
+    assert main(["classify", "predict", "--run-dir", str(trained), "--predict.input", str(folder), *TINY]) == 2
+    assert "c.png" in capsys.readouterr().err
+
+
+def test_a_checkpoint_for_another_number_of_classes_is_refused(trained, capsys):
+    args = [a if a != "3" else "4" for a in TINY]  # synthetic_classes 3 -> 4
+    assert main(["classify", "evaluate", "--run-dir", str(trained), *args]) == 2
+    assert "does not fit" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data.kind", "mnist"], "data.kind"),
+    (["--data.kind", "folder", "--data.path", "/nonexistent/folder"], "nonexistent"),
+    (["--model.vgg", "vgg99"], "model.vgg"),
+    (["--table_budget", "0"], "table_budget"),
+])
+def test_bad_configs_name_the_field(args, message, tmp_path, capsys):
+    rc = None
+    try:
+        rc = main(["classify", "train", "--run-dir", str(tmp_path / "r"), *TINY, *args])
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_exit_costs_are_the_measured_flops():
+    from learn2stop.tasks.classify import APP, ClassifyConfig, exit_flops
+    from learn2stop.utils.config import from_dict
+
+    cfg = from_dict(ClassifyConfig, {"data": {"kind": "synthetic", "size": 16, "synthetic_per_class": 6,
+                                              "synthetic_classes": 2}, "model": {"vgg": "vgg6-narrow"}})
+    sm = APP.build_models(cfg, "cpu")["stop"]
+    torch.testing.assert_close(torch.tensor(sm.model.exit_costs, dtype=torch.float64),
+                               torch.tensor(exit_flops(sm.model), dtype=torch.float64))
+    assert sm.policy(None, torch.randn(5, 2), 1).shape == (5,)
