@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import tempfile
 import zipfile
 from pathlib import Path
@@ -61,3 +62,31 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
     if data.get("version", 0) > VERSION:
         raise CheckpointError(f"{path} was written by a newer learn2stop (format version {data['version']})")
     return data
+
+
+# ``.<name>.<random>.tmp``: the temporary files of save_checkpoint and report.write_text_atomic
+_TEMP_NAME = re.compile(r"^\..+\.[A-Za-z0-9_]+\.tmp$")
+
+
+def clean_stale_temp_files(folder: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files a killed write left under ``folder`` (recursively); returns them.
+
+    :func:`save_checkpoint` and atomic JSON/text writes go through ``.<name>.<random>.tmp`` in the
+    target's folder; a ``kill -9`` mid-write leaves one behind (the target itself is intact).
+    Call this at the start of a run, while holding the run's writer lock, so that no live
+    process's temporary file is removed. Symbolic links are not followed.
+    """
+    removed = []
+    folder = Path(folder)
+    if not folder.is_dir():
+        return removed
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            path = Path(dirpath) / name
+            if _TEMP_NAME.match(name) and path.is_file() and not path.is_symlink():
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    continue
+                removed.append(path)
+    return sorted(removed)

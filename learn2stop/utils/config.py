@@ -3,6 +3,11 @@
 Nested dataclass fields become dotted flags (``--stage1.lr 1e-3``) and dotted YAML keys. Values
 are converted by the field's type; each dataclass validates itself in ``__post_init__`` and a
 bad value raises :class:`ConfigError` naming the field.
+
+Layers merge field by field (defaults <- preset <- YAML <- flags): an empty section (``stage1:``
+with nothing under it, or ``{}``) changes nothing. Before any ``__post_init__`` runs, every value
+from a dict is checked against its field's type: floats must be finite, booleans are not numbers,
+a list field needs a list (a CLI string ``"20,30"`` is split on commas) and a scalar field a scalar.
 """
 from __future__ import annotations
 
@@ -26,12 +31,52 @@ def require(ok: bool, field: str, message: str) -> None:
         raise ConfigError(f"{field}: {message}")
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def finite(value: float, field: str) -> None:
+    """A finite number (not NaN, not +-inf, not a bool)."""
+    require(_is_number(value) and math.isfinite(value), field, f"must be a finite number; got {value!r}")
+
+
 def positive(value: float, field: str) -> None:
-    require(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, field, f"must be > 0; got {value!r}")
+    """A finite number > 0."""
+    require(_is_number(value) and math.isfinite(value) and value > 0, field, f"must be > 0; got {value!r}")
 
 
 def non_negative(value: float, field: str) -> None:
-    require(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, field, f"must be >= 0; got {value!r}")
+    """A finite number >= 0."""
+    require(_is_number(value) and math.isfinite(value) and value >= 0, field, f"must be >= 0; got {value!r}")
+
+
+def positive_int(value: int, field: str) -> None:
+    """An integer >= 1 (a bool or a float such as 2.0 is refused)."""
+    require(_is_int(value) and value >= 1, field, f"must be an integer >= 1; got {value!r}")
+
+
+def non_negative_int(value: int, field: str) -> None:
+    """An integer >= 0 (a bool or a float is refused)."""
+    require(_is_int(value) and value >= 0, field, f"must be an integer >= 0; got {value!r}")
+
+
+def in_open_unit(value: float, field: str) -> None:
+    """A number strictly between 0 and 1 (a probability threshold)."""
+    require(_is_number(value) and 0 < value < 1, field, f"must be in (0, 1); got {value!r}")
+
+
+def fraction(value: float, field: str) -> None:
+    """A number in (0, 1] (a share of something, 1 = all of it)."""
+    require(_is_number(value) and 0 < value <= 1, field, f"must be in (0, 1]; got {value!r}")
+
+
+def non_empty(value: typing.Sized, field: str) -> None:
+    """A list or tuple with at least one element (a grid, a list of depths)."""
+    require(isinstance(value, (list, tuple)) and len(value) > 0, field, f"must list at least one value; got {value!r}")
 
 
 def one_of(value: Any, choices: typing.Iterable, field: str) -> None:
@@ -54,8 +99,17 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
 def _convert(value: Any, tp: Any, field: str) -> Any:
-    """Convert a YAML or CLI value to the field's type, or raise ConfigError naming the field."""
+    """Convert a YAML or CLI value to the field's type, or raise ConfigError naming the field.
+
+    Floats must be finite; a bool is not an int or a float; a list field takes a list, or a CLI
+    string split on commas ("20,30"), never a bare number; a scalar field never takes a list or a
+    mapping.
+    """
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin is typing.Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
@@ -68,10 +122,18 @@ def _convert(value: Any, tp: Any, field: str) -> Any:
         if isinstance(value, str):
             value = [v for v in value.split(",") if v.strip() != ""]
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{field}: expected a list; got {value!r}")
+            raise ConfigError(f"{field}: expected a list (YAML [a, b] or a flag a,b); got {value!r}")
         elem = args[0] if args else str
-        items = [_convert(v, elem, field) for v in value]
+        if origin is tuple and len(args) >= 2 and args[-1] is not Ellipsis:  # tuple[int, str]: fixed length
+            if len(value) != len(args):
+                raise ConfigError(f"{field}: expected {len(args)} values; got {len(value)}: {value!r}")
+            items = [_convert(v, a, f"{field}[{i}]") for i, (v, a) in enumerate(zip(value, args))]
+        else:
+            items = [_convert(v, elem, f"{field}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
+    if tp in (bool, int, float, str) and isinstance(value, (list, tuple, dict)):
+        kind = "a mapping" if isinstance(value, dict) else "a list"
+        raise ConfigError(f"{field}: expected a single {tp.__name__}, not {kind}; got {value!r}")
     try:
         if tp is bool:
             if isinstance(value, bool):
@@ -82,31 +144,71 @@ def _convert(value: Any, tp: Any, field: str) -> Any:
                 return False
             raise ValueError
         if tp is int:
+            if isinstance(value, bool):
+                raise ConfigError(f"{field}: expected int, not a boolean; got {value!r}")
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
-            if isinstance(value, bool):
-                raise ValueError
-            return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+            if isinstance(value, str) and "e" in value.lower():
+                as_float = float(value)
+                if not as_float.is_integer():
+                    raise ValueError
+                return int(as_float)
+            return int(value)
         if tp is float:
             if isinstance(value, bool):
-                raise ValueError
-            return float(value)
+                raise ConfigError(f"{field}: expected float, not a boolean; got {value!r}")
+            out = float(value)
+            if not math.isfinite(out):
+                raise ConfigError(f"{field}: must be a finite number; got {value!r}")
+            return out
         if tp is str:
-            if not isinstance(value, (str, int, float)):
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
                 raise ValueError
             return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{field}: expected {getattr(tp, '__name__', tp)}; got {value!r}") from None
+    except (TypeError, ValueError, OverflowError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{field}: expected {_type_name(tp)}; got {value!r}") from None
     return value
+
+
+def check_fields(cfg: Any, prefix: str = "") -> None:
+    """Check a built dataclass's values against its field types (for ``__post_init__``).
+
+    The same generic rules as loading from a dict (finite floats, no bool for a number, lists for
+    list fields, scalars for scalar fields), for configs built directly in Python, e.g.
+    ``LISTAConfig(L=float("inf"))``. An int is accepted for a float field.
+
+    Example:
+        >>> @dataclasses.dataclass
+        ... class C:
+        ...     lr: float = 1e-3
+        ...     def __post_init__(self):
+        ...         check_fields(self)
+        >>> C(lr=float("nan"))
+        Traceback (most recent call last):
+        ...
+        learn2stop.utils.config.ConfigError: lr: must be a finite number; got nan
+    """
+    hints = _hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value, tp, name = getattr(cfg, f.name), hints[f.name], prefix + f.name
+        if dataclasses.is_dataclass(tp):
+            continue  # a nested config checked itself when it was built
+        if tp is float and _is_int(value):
+            value = float(value)
+        if isinstance(value, str) and (tp in (int, float, bool) or typing.get_origin(tp) in (tuple, list)):
+            raise ConfigError(f"{name}: expected {_type_name(tp)}; got the string {value!r}")
+        _convert(value, tp, name)
 
 
 def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
     """Build dataclass ``cls`` from a nested dict; unknown keys and bad values name the field."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping; got {type(data).__name__}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping; got {type(data).__name__}")
     hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted((k for k in data if k not in names), key=str)
     if unknown:
         raise ConfigError(f"{prefix}{unknown[0]}: unknown config field (known: {', '.join(sorted(names))})")
     kwargs = {}
@@ -114,6 +216,8 @@ def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
         tp = hints[name]
         path = f"{prefix}{name}"
         if dataclasses.is_dataclass(tp):
+            if value is None:  # an empty YAML section: keep the defaults
+                continue
             kwargs[name] = from_dict(tp, value, prefix=path + ".")
         else:
             kwargs[name] = _convert(value, tp, path)
@@ -123,11 +227,18 @@ def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
         raise ConfigError(f"{prefix}{e}") from None
 
 
-def merge(base: dict, update: dict) -> dict:
-    """Recursive dict merge; ``update`` wins."""
+def merge(base: dict, update: dict | None) -> dict:
+    """Recursive dict merge, field by field; ``update`` wins.
+
+    A section set to None in ``update`` (an empty YAML section) changes nothing, and a nested dict
+    updates only the fields it names, so an empty section plus a flag keeps the other values.
+    """
     out = dict(base)
-    for k, v in update.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    for k, v in (update or {}).items():
+        if isinstance(out.get(k), dict) and (v is None or isinstance(v, dict)):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
     return out
 
 
@@ -143,22 +254,79 @@ def unflatten(flat: dict[str, Any]) -> dict:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (YAML keeps the last silently)."""
+
+
+def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
+def _expand_dotted(data: dict, where: str, prefix: str = "") -> dict:
+    """{"stage1.lr": 1, "seed": 0} -> {"stage1": {"lr": 1}, "seed": 0}; a field set twice is an error."""
+    out: dict = {}
+    for key, value in data.items():
+        parts = key.split(".") if isinstance(key, str) else [key]
+        if isinstance(value, dict):
+            value = _expand_dotted(value, where, prefix + ".".join(map(str, parts)) + ".")
+        for p in reversed(parts[1:]):
+            value = {p: value}
+        _add_unique(out, parts[0], value, where, prefix)
+    return out
+
+
+def _add_unique(node: dict, key: Any, value: Any, where: str, prefix: str) -> None:
+    if key not in node:
+        node[key] = value
+    elif isinstance(node[key], dict) and isinstance(value, dict):
+        for k, v in value.items():
+            _add_unique(node[key], k, v, where, f"{prefix}{key}.")
+    else:
+        raise ConfigError(f"{prefix}{key}: set twice in {where}")
+
+
 def load_yaml(path: str | Path) -> dict:
-    """Read a YAML config file; a missing or malformed file raises ConfigError naming it."""
+    """Read a YAML config file; a missing, unreadable, non-UTF-8 or malformed file raises ConfigError naming it.
+
+    Dotted keys (``stage1.lr: 1e-3``) are expanded into sections; a key given twice is an error.
+    """
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory, not a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} "
+                          f"at offset {e.start}); save it as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
+    if data is None:
+        return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at top level")
-    return data
+        raise ConfigError(f"config file {path} must hold a mapping at top level; got {type(data).__name__}")
+    return _expand_dotted(data, f"config file {path}")
 
 
 def save_yaml(cfg: Any, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """Write a config (dataclass or dict) as YAML, atomically: a kill never leaves half a file."""
+    from .report import write_text_atomic
+
+    write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def leaf_fields(cls: type, prefix: str = "") -> list[tuple[str, Any, Any]]:
@@ -192,7 +360,7 @@ def _metavar(tp: Any) -> str:
 
 
 def resolve(cls: type, preset: dict | None = None, yaml_path: str | None = None, overrides: dict | None = None) -> Any:
-    """Defaults <- preset <- YAML file <- CLI overrides, then validate by constructing ``cls``."""
+    """Defaults <- preset <- YAML file <- CLI overrides, merged field by field, then validated by building ``cls``."""
     data = to_dict(cls())
     for layer in (preset or {}, load_yaml(yaml_path) if yaml_path else {}, overrides or {}):
         data = merge(data, layer)

@@ -94,7 +94,7 @@ class ClassifyConfig:
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     baseline: StageConfig = _stage(objective="deep_supervision", variant="last", select="last")
     sdn: StageConfig = _stage(objective="deep_supervision", variant="weighted", select="oracle")
-    stage1: StageConfig = _stage(objective="stage1", variant="expected")
+    stage1: StageConfig = _stage(objective="stage1", variant="expected", iterations=20_000, lr=1e-4)
     stage2: StageConfig = _stage(objective="stage2", variant="forward_kl", iterations=3000, lr=3e-3, weight_decay=0.0,
                                  lr_schedule="constant", eval_every=250, checkpoint_every=250)
     stage3: StageConfig = _stage(objective="stage3", iterations=0, lr=1e-4)
@@ -119,11 +119,11 @@ def _quick(it: int, **kw) -> dict:
 PRESETS: dict[str, dict] = {
     # The CIFAR-10 subset of ../shared/data (4,068 train / 1,017 test), a narrow 6-conv VGG with 5 ICs.
     "quick": {"data": {"kind": "cifar_subset_npz", "path": "../shared/data/cifar10-subset", "size": 32},
-              "model": {"vgg": "vgg6-narrow"}, "baseline": _quick(500), "sdn": _quick(700), "stage1": _quick(700),
+              "model": {"vgg": "vgg6-narrow"}, "baseline": _quick(500), "sdn": _quick(700), "stage1": _quick(250, lr=2e-4),
               "stage2": _quick(600, lr=3e-3, weight_decay=0.0, lr_schedule="constant"), "method": {"price": 1.0}},
     # VGG16-BN on the same subset (a few CPU-hours; benchmarks/classify_cifar.py).
     "cifar": {"data": {"kind": "cifar_subset_npz", "path": "../shared/data/cifar10-subset", "size": 32},
-              "model": {"vgg": "vgg16"}, "baseline": _quick(6000), "sdn": _quick(6000), "stage1": _quick(6000),
+              "model": {"vgg": "vgg16"}, "baseline": _quick(6000), "sdn": _quick(6000), "stage1": _quick(2000, lr=1e-4),
               "stage2": _quick(1500, lr=3e-3, weight_decay=0.0, lr_schedule="constant"), "method": {"price": 1.0}},
     # The paper: VGG16-BN on Tiny-ImageNet at 64x64 (a GPU job; the dataclass defaults).
     "paper": {},
@@ -236,7 +236,10 @@ class ClassifyApp(StoppingApp):
         sdn = StageConfig(**{**cfg.sdn.__dict__, "step_weights": tuple(tau) + (1.0,)})
         out = [Stage("baseline", "baseline", cfg.baseline, describe="the network alone (last classifier)"),
                Stage("sdn", "sdn", sdn, describe=f"SDN: IC losses weighted {[round(t, 2) for t in tau]} + final"),
-               Stage("stage1", "stop", cfg.stage1, describe="Stage I: oracle-weighted IC losses"),
+               # Stage I fine-tunes the SDN network: trained from scratch on the oracle alone, each image's
+               # loss concentrates on whichever exit already fits it, and the other exits decay (measured:
+               # final classifier 9 %, oracle exit 98 % on VGG16 / CIFAR subset), which no label-free rule can use.
+               Stage("stage1", "stop", cfg.stage1, init_from="sdn", describe="Stage I: oracle-weighted IC losses, from SDN"),
                Stage("stage2", "stop", cfg.stage2, describe="Stage II: the exit policy")]
         if cfg.stage3.iterations > 0:
             out.append(Stage("stage3", "stop", cfg.stage3, describe="Stage III"))

@@ -69,26 +69,47 @@ def load_image(path: str | Path) -> np.ndarray:
     return np.clip(arr, 0.0, 1.0).astype(np.float32)
 
 
-def load_folder(folder: str | Path, min_size: int = 1) -> tuple[list[np.ndarray], list[str]]:
-    """All images of a folder and their file names; images smaller than ``min_size`` are an error."""
+def check_image_size(img: np.ndarray, path: str | Path, min_size: int,
+                     reason: str = "patch size; remove it or lower data.patch_size") -> None:
+    """Raise ImageDataError naming the file if either side of a (H, W) image is below ``min_size``."""
+    if min(img.shape) < min_size:
+        raise ImageDataError(f"image {path} is {img.shape[1]}x{img.shape[0]} (width x height), smaller than "
+                             f"the {min_size}x{min_size} {reason}")
+
+
+def load_folder(folder: str | Path, min_size: int = 1,
+                reason: str = "patch size; remove it or lower data.patch_size") -> tuple[list[np.ndarray], list[str]]:
+    """All images of a folder and their file names; an image with a side below ``min_size`` is an error.
+
+    ``reason`` ends the message: what the minimum is and what to do (default: the training patch).
+    """
     images, names = [], []
     for path in list_images(folder):
         img = load_image(path)
-        if min(img.shape) < min_size:
-            raise ImageDataError(f"image {path} is {img.shape[1]}x{img.shape[0]}, smaller than the "
-                                 f"{min_size}x{min_size} patch size; remove it or lower data.patch_size")
+        check_image_size(img, path, min_size, reason)
         images.append(img)
         names.append(path.name)
     return images, names
 
 
 def save_image(img: np.ndarray | Tensor, path: str | Path) -> None:
-    """Write a (H, W) image in [0, 1] as 8-bit grey (PNG by suffix)."""
+    """Write an image in [0, 1] as 8-bit grey (PNG by suffix).
+
+    ``img``: (H, W), or (1, H, W) / (1, 1, H, W) with the leading singleton dims dropped, so a
+    1xN or 1x1 image keeps its orientation (a bare ``squeeze`` would not).
+    """
     from PIL import Image
 
     if isinstance(img, Tensor):
         img = img.detach().cpu().numpy()
-    arr = np.clip(np.asarray(img).squeeze(), 0, 1)
+    arr = np.asarray(img, dtype=np.float32)
+    while arr.ndim > 2 and arr.shape[0] == 1:
+        arr = arr[0]
+    if arr.ndim != 2 or arr.size == 0:
+        raise ImageDataError(f"cannot save {path}: expected a (H, W) grey image; got shape {np.asarray(img).shape}")
+    if not np.isfinite(arr).all():
+        raise ImageDataError(f"cannot save {path}: the image holds NaN or infinite values")
+    arr = np.clip(arr, 0, 1)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray((arr * 255.0 + 0.5).astype(np.uint8), mode="L").save(path)
 

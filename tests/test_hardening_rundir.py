@@ -1,0 +1,253 @@
+"""The run directory: path errors, the writer lock, fingerprints, starting afresh, strict JSON, leftovers."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from learn2stop.utils import rundir
+from learn2stop.utils.checkpoint import clean_stale_temp_files, load_checkpoint, save_checkpoint
+from learn2stop.utils.report import append_jsonl, write_json, write_text_atomic
+from learn2stop.utils.rundir import (ABSENT, RunDirError, RunLock, check_fingerprint, diff_fields, fingerprint,
+                                     move_aside, prepare_run_dir, read_fingerprint, truncate_metrics, write_fingerprint)
+
+IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+# ----------------------------------------------------------------------------- paths
+def test_run_dir_that_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(RunDirError, match=r"run directory .*/f is a file, not a folder"):
+        prepare_run_dir(tmp_path / "f", create=True)
+
+
+def test_run_dir_under_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(RunDirError, match=r"run directory .*/f/a/b cannot exist: .*/f is a file"):
+        prepare_run_dir(tmp_path / "f" / "a" / "b", create=True)
+
+
+def test_missing_run_dir_for_a_reader_creates_nothing(tmp_path):
+    with pytest.raises(RunDirError, match=r"run directory .*/run does not exist; run the 'train' command first"):
+        prepare_run_dir(tmp_path / "a" / "run", create=False)
+    assert list(tmp_path.iterdir()) == []
+    assert prepare_run_dir(tmp_path / "a" / "run", create=True).is_dir()
+
+
+def _deny_writes(monkeypatch, tmp_path, folder):
+    """Make ``folder`` unwritable: chmod for a normal user; root ignores modes, so fake os.access."""
+    if IS_ROOT:
+        real = os.access
+        monkeypatch.setattr(rundir.os, "access",
+                            lambda p, mode: False if (mode & os.W_OK and Path(p) == folder) else real(p, mode))
+    else:
+        folder.chmod(0o555)
+
+
+def test_read_only_run_dir(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    _deny_writes(monkeypatch, tmp_path, run)
+    try:
+        with pytest.raises(RunDirError, match=r"run directory .*/run is not writable \((permission denied|read-only)"):
+            prepare_run_dir(run, create=False)
+        assert prepare_run_dir(run, create=False, writable=False) == run  # a read-only reader is fine
+    finally:
+        run.chmod(0o755)
+
+
+def test_run_dir_that_cannot_be_created(tmp_path, monkeypatch):
+    parent = tmp_path / "locked"
+    parent.mkdir()
+    if IS_ROOT:  # root may create anywhere: simulate the refusal mkdir would give a user
+        def denied(self, *a, **k):
+            raise PermissionError(13, "Permission denied", str(self))
+        monkeypatch.setattr(Path, "mkdir", denied)
+    else:
+        parent.chmod(0o555)
+    try:
+        with pytest.raises(RunDirError, match=r"cannot create run directory .*/locked/run: permission denied"):
+            prepare_run_dir(parent / "run", create=True)
+    finally:
+        parent.chmod(0o755)
+
+
+# ----------------------------------------------------------------------------- the lock
+def test_second_writer_in_the_same_process_is_refused_and_told_who(tmp_path):
+    with RunLock(tmp_path, "train") as first:
+        assert first.held
+        info = json.loads((tmp_path / ".lock").read_text())
+        assert info["pid"] == os.getpid() and info["command"] == "train"
+        with pytest.raises(RunDirError, match=rf"is in use by pid {os.getpid()} on .*\(command 'train', since "):
+            RunLock(tmp_path, "calibrate").acquire()
+    with RunLock(tmp_path, "train"):  # released on exit
+        pass
+
+
+def test_reader_refused_while_a_writer_runs_and_readers_share(tmp_path):
+    with RunLock(tmp_path, "train"):
+        with pytest.raises(RunDirError, match=rf"is being written by pid {os.getpid()}.*wait for it to finish or copy"):
+            RunLock(tmp_path, "evaluate", shared=True).acquire()
+    with RunLock(tmp_path, "evaluate", shared=True), RunLock(tmp_path, "frontier", shared=True):
+        with pytest.raises(RunDirError, match="is being read by another command"):
+            RunLock(tmp_path, "train").acquire()
+
+
+HOLDER = """
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("rundir", sys.argv[1])
+mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+lock = mod.RunLock(sys.argv[2], "train").acquire()
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_lock_held_by_another_process_then_freed_by_kill_9(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, rundir.__file__, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(RunDirError, match=rf"in use by pid {proc.pid} .*command 'train'"):
+            RunLock(tmp_path, "train").acquire()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert json.loads((tmp_path / ".lock").read_text())["pid"] == proc.pid  # a stale lock file...
+    with RunLock(tmp_path, "train"):  # ...blocks nothing: flock died with its process
+        pass
+
+
+# ----------------------------------------------------------------------------- fingerprints
+FP = {"problem": {"sparsity": 0.1, "matrix_seed": 0, "m": 250}, "lista": {"num_steps": 16}, "data": "synthetic"}
+
+
+def test_fingerprint_is_canonical():
+    assert fingerprint({"b": (1, 2), "a": {"y": 1, "x": 2}}) == fingerprint({"a": {"x": 2, "y": 1}, "b": [1, 2]})
+    assert fingerprint({"a": 1}) != fingerprint({"a": 2})
+    assert len(fingerprint(FP)) == 64
+
+
+def test_fingerprint_refuses_a_changed_problem_listing_the_fields(tmp_path):
+    assert check_fingerprint(tmp_path, FP, "train") is False  # a fresh run: nothing stored yet
+    write_fingerprint(tmp_path, FP)
+    assert check_fingerprint(tmp_path, FP, "evaluate") is True
+    changed = {**FP, "problem": {**FP["problem"], "sparsity": 0.2, "matrix_seed": 3}}
+    with pytest.raises(RunDirError, match=r"was trained with problem\.matrix_seed=0, problem\.sparsity=0\.1; "
+                                          r"this 'evaluate' command asks for problem\.matrix_seed=3, "
+                                          r"problem\.sparsity=0\.2; use a new --run-dir"):
+        check_fingerprint(tmp_path, changed, "evaluate")
+
+
+def test_fingerprint_mismatch_shows_five_fields_then_a_count(tmp_path):
+    write_fingerprint(tmp_path, {f"f{i}": i for i in range(8)})
+    with pytest.raises(RunDirError, match=r"f4=40; use|and 3 more field\(s\)") as e:
+        check_fingerprint(tmp_path, {f"f{i}": 10 * i + 1 for i in range(8)}, "frontier")
+    assert "f5" not in str(e.value) and "(and 3 more field(s))" in str(e.value)
+
+
+def test_fingerprint_is_written_once_and_never_overwritten(tmp_path):
+    write_fingerprint(tmp_path, FP)
+    write_fingerprint(tmp_path, dict(FP))  # the same: no change
+    with pytest.raises(RunDirError, match=r"was trained with data=\"synthetic\"; this command asks for data=\"bsd68\""):
+        write_fingerprint(tmp_path, {**FP, "data": "bsd68"})
+    assert read_fingerprint(tmp_path) == FP
+
+
+def test_edited_or_corrupt_fingerprint_file(tmp_path):
+    write_fingerprint(tmp_path, FP)
+    stored = json.loads((tmp_path / "fingerprint.json").read_text())
+    stored["fields"]["problem"]["sparsity"] = 0.2
+    (tmp_path / "fingerprint.json").write_text(json.dumps(stored))
+    with pytest.raises(RunDirError, match="fingerprint.json was edited or is corrupt"):
+        check_fingerprint(tmp_path, FP)
+    (tmp_path / "fingerprint.json").write_text("{not json")
+    with pytest.raises(RunDirError, match="fingerprint.json is unreadable or corrupt"):
+        check_fingerprint(tmp_path, FP)
+
+
+def test_diff_fields_and_non_finite_fingerprint_values():
+    assert diff_fields({"a": {"b": 1, "c": [1, 2]}}, {"a": {"b": 1, "c": (1, 3), "d": 0}}) == [
+        ("a.c", [1, 2], [1, 3]), ("a.d", ABSENT, 0)]
+    with pytest.raises(ValueError, match=r"fingerprint field lista\.L is inf"):
+        fingerprint({"lista": {"L": math.inf}})
+
+
+# ----------------------------------------------------------------------------- starting afresh and resuming
+def test_move_aside_keeps_the_old_run_apart(tmp_path):
+    assert move_aside(tmp_path) is None and list(tmp_path.iterdir()) == []
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "stage1_best.pt").write_text("old")
+    for name in ("metrics.jsonl", "table1.md", "fingerprint.json", "config.yaml"):
+        (tmp_path / name).write_text("old")
+    with RunLock(tmp_path, "train"):
+        old = move_aside(tmp_path)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", old.name]
+        assert old.name.startswith("previous-") and (old / "checkpoints" / "stage1_best.pt").read_text() == "old"
+        (tmp_path / "metrics.jsonl").write_text("new")
+        again = move_aside(tmp_path)
+    assert again != old and (again / "metrics.jsonl").read_text() == "new" and old.is_dir()
+
+
+def test_truncate_metrics_removes_lines_beyond_the_resumed_iteration(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    assert truncate_metrics(path, "stage1", 10) == 0  # no file yet
+    lines = [{"stage": "baseline", "iteration": 30}, {"stage": "stage1", "iteration": 10},
+             {"stage": "stage1", "iteration": 20}, {"stage": "stage1", "iteration": 30, "val": None}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"stage": "stage1", "itera')  # torn last line
+    assert truncate_metrics(path, "stage1", 10) == 3
+    assert [json.loads(x) for x in path.read_text().splitlines()] == lines[:2]
+    assert truncate_metrics(path, "stage1", 10) == 0
+
+
+# ----------------------------------------------------------------------------- strict JSON and atomic writes
+def _strict_loads(text):
+    def refuse(name):
+        raise ValueError(f"non-strict JSON constant {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_write_json_is_strict_json(tmp_path):
+    data = {"nan": math.nan, "inf": math.inf, "np": np.float32("-inf"), "np_ok": np.float64(2.5),
+            "torch": torch.tensor(float("nan")), "vec": torch.tensor([1.0, math.inf]), "arr": np.array([np.nan, 1]),
+            "nested": [{"x": (math.nan, 1)}], "int": np.int64(3), "path": tmp_path}
+    write_json(data, tmp_path / "r.json")
+    back = _strict_loads((tmp_path / "r.json").read_text())
+    assert back == {"nan": None, "inf": None, "np": None, "np_ok": 2.5, "torch": None, "vec": [1.0, None],
+                    "arr": [None, 1.0], "nested": [{"x": [None, 1]}], "int": 3, "path": str(tmp_path)}
+    append_jsonl(tmp_path / "m.jsonl", {"stage": "s", "loss": math.nan})
+    assert _strict_loads((tmp_path / "m.jsonl").read_text()) == {"stage": "s", "loss": None}
+    with pytest.raises(ValueError, match="non-strict JSON constant NaN"):
+        _strict_loads('{"a": NaN}')  # the checker itself does refuse
+
+
+def test_atomic_writes_leave_no_temp_and_normal_permissions(tmp_path):
+    write_text_atomic(tmp_path / "t.md", "| a |\n")
+    write_json({"a": 1}, tmp_path / "r.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "t.md"]
+    assert (tmp_path / "r.json").stat().st_mode & 0o044  # readable by others (mkstemp would give 0600)
+
+
+def test_clean_stale_temp_files_removes_only_leftovers(tmp_path, monkeypatch):
+    ckpt = tmp_path / "checkpoints"
+    save_checkpoint({"x": torch.zeros(2)}, ckpt / "stage1.pt")
+    monkeypatch.setattr(os, "unlink", lambda p: None)  # a kill -9 mid-write: no cleanup runs
+    monkeypatch.setattr(os, "replace", lambda a, b: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint({"x": torch.ones(2)}, ckpt / "stage1.pt")
+    monkeypatch.undo()
+    (tmp_path / ".results.json.abc123.tmp").write_text("{")
+    (tmp_path / ".keep").write_text("not ours")
+    (tmp_path / "notes.tmp").write_text("not ours")
+    removed = clean_stale_temp_files(tmp_path)
+    assert len(removed) == 2 and all(p.name.endswith(".tmp") and p.name.startswith(".") for p in removed)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["stage1.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".keep", "checkpoints", "notes.tmp"]
+    torch.testing.assert_close(load_checkpoint(ckpt / "stage1.pt")["x"], torch.zeros(2))
+    assert clean_stale_temp_files(tmp_path / "absent") == []
