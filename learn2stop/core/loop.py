@@ -236,24 +236,29 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
         state = model.step(t, state, inputs)
         output = model.readout(t, state, inputs)
         if t == T:
-            stop = torch.ones(active.numel(), dtype=torch.bool, device=device)
-        else:
-            stop = rule(StepView(t, T, inputs, output, previous, state, active))
-            if stop.shape != (active.numel(),) or stop.dtype != torch.bool:
-                raise ValueError(f"a stop rule must return a bool tensor of shape ({active.numel()},); "
-                                 f"got {stop.dtype} {tuple(stop.shape)}")
-            if probs is not None:
-                reported = getattr(rule, "last_probs", None)
-                if reported is None:
-                    raise ValueError("record_probs=True needs a rule that reports stop probabilities (PolicyRule)")
-                probs[active, t - 1] = reported.to(probs)
-        if stop.any():
-            done_index.append(active[stop])
-            done_outputs.append(tree_select(output, stop))
-            stop_times[active[stop]] = t
-            if bool(stop.all()):
+            done_index.append(active)
+            done_outputs.append(output)
+            break
+        stop = rule(StepView(t, T, inputs, output, previous, state, active))
+        if stop.shape != (active.numel(),) or stop.dtype != torch.bool:
+            raise ValueError(f"a stop rule must return a bool tensor of shape ({active.numel()},); "
+                             f"got {stop.dtype} {tuple(stop.shape)}")
+        if probs is not None:
+            reported = getattr(rule, "last_probs", None)
+            if reported is None:
+                raise ValueError("record_probs=True needs a rule that reports stop probabilities (PolicyRule)")
+            probs[active, t - 1] = reported.to(probs)
+        # One host synchronisation per step (the count); rows are then moved with integer indices,
+        # which need none: a stable sort puts the continuing rows first, in order, then the stopped ones.
+        n_stop = int(stop.sum())
+        if n_stop:
+            order = torch.argsort(stop.to(torch.int8), stable=True)
+            gone, keep = order[active.numel() - n_stop:], order[:active.numel() - n_stop]
+            done_index.append(active[gone])
+            done_outputs.append(tree_select(output, gone))
+            stop_times[active[gone]] = t
+            if n_stop == active.numel():
                 break
-            keep = ~stop
             active, state, inputs = active[keep], tree_select(state, keep), tree_select(inputs, keep)
             output = tree_select(output, keep)
         previous = output

@@ -120,11 +120,11 @@ PRESETS: dict[str, dict] = {
     # The CIFAR-10 subset of ../shared/data (4,068 train / 1,017 test), a narrow 6-conv VGG with 5 ICs.
     "quick": {"data": {"kind": "cifar_subset_npz", "path": "../shared/data/cifar10-subset", "size": 32},
               "model": {"vgg": "vgg6-narrow"}, "baseline": _quick(500), "sdn": _quick(700), "stage1": _quick(250, lr=2e-4),
-              "stage2": _quick(600, lr=3e-3, weight_decay=0.0, lr_schedule="constant"), "method": {"price": 1.0}},
+              "stage2": _quick(600, lr=3e-3, weight_decay=0.0, lr_schedule="constant"), "method": {"beta": 3.0, "price": 1.0}},
     # VGG16-BN on the same subset (a few CPU-hours; benchmarks/classify_cifar.py).
     "cifar": {"data": {"kind": "cifar_subset_npz", "path": "../shared/data/cifar10-subset", "size": 32},
               "model": {"vgg": "vgg16"}, "baseline": _quick(6000), "sdn": _quick(6000), "stage1": _quick(2000, lr=1e-4),
-              "stage2": _quick(1500, lr=3e-3, weight_decay=0.0, lr_schedule="constant"), "method": {"price": 1.0}},
+              "stage2": _quick(1500, lr=3e-3, weight_decay=0.0, lr_schedule="constant"), "method": {"beta": 3.0, "price": 1.0}},
     # The paper: VGG16-BN on Tiny-ImageNet at 64x64 (a GPU job; the dataclass defaults).
     "paper": {},
 }
