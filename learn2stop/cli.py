@@ -97,12 +97,20 @@ def main(argv: list[str] | None = None) -> int:
                      options={"budget": args.budget, "epsilon": args.epsilon, "delta": args.delta, "rule": args.rule,
                               "no_speed": args.no_speed})
     try:
+        if args.command == "calibrate":  # the flags first: a bad target touches no run directory
+            from .core.calibration import check_budget, check_risk
+
+            if args.budget is not None:
+                check_budget(args.budget)
+            if args.epsilon is not None:
+                check_risk(args.epsilon, args.delta)
         run.prepare(cfg, args.command)
         spec.commands[args.command](cfg, run)
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError, OSError) as e:
         print(f"learn2stop {task_name} {args.command}: error: {e}", file=sys.stderr)
         return 2
     finally:
+        run.close()
         shutdown_distributed(ctx)
     return 0
 

@@ -70,7 +70,16 @@ def test_calibrate_risk_and_predict_use_the_calibrated_rule(trained, tmp_path, c
 def test_a_checkpoint_for_another_number_of_classes_is_refused(trained, capsys):
     args = [a if a != "3" else "4" for a in TINY]  # synthetic_classes 3 -> 4
     assert main(["classify", "evaluate", "--run-dir", str(trained), *args]) == 2
-    assert "does not fit" in capsys.readouterr().err
+    assert "data.synthetic_classes=4" in capsys.readouterr().err  # the run's fingerprint refuses it first
+    from learn2stop.core import load_stage
+    from learn2stop.tasks.classify import APP, ClassifyConfig
+    from learn2stop.utils.checkpoint import CheckpointError
+    from learn2stop.utils.config import from_dict
+
+    cfg = from_dict(ClassifyConfig, {"data": {"kind": "synthetic", "size": 16, "synthetic_per_class": 24,
+                                              "synthetic_classes": 4}, "model": {"vgg": "vgg6-narrow", "fc_width": 16}})
+    with pytest.raises(CheckpointError, match="does not fit"):  # and the checkpoint itself, without the fingerprint
+        load_stage(APP, cfg, trained, "stage2")
 
 
 @pytest.mark.parametrize("args, message", [

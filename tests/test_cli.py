@@ -54,6 +54,11 @@ def test_bad_arguments_exit_with_a_named_error(args, message, capsys):
 def test_unknown_task_and_missing_checkpoint(tmp_path, capsys):
     assert main(["nosuchtask", "train"]) == 2
     assert "unknown task 'nosuchtask'" in capsys.readouterr().err
+    assert main(["sparse", "evaluate", "--run-dir", str(tmp_path / "missing"), *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist; run the 'train' command first" in err
+    assert not (tmp_path / "missing").exists()  # a reader creates nothing
+    (tmp_path / "empty").mkdir()
     assert main(["sparse", "evaluate", "--run-dir", str(tmp_path / "empty"), *TINY]) == 2
     err = capsys.readouterr().err
     assert "checkpoint not found" in err and "baseline.pt" in err

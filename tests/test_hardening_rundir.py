@@ -251,3 +251,51 @@ def test_clean_stale_temp_files_removes_only_leftovers(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".keep", "checkpoints", "notes.tmp"]
     torch.testing.assert_close(load_checkpoint(ckpt / "stage1.pt")["x"], torch.zeros(2))
     assert clean_stale_temp_files(tmp_path / "absent") == []
+
+
+def test_kill_9_mid_training_then_resume_is_bit_identical(tmp_path):
+    """A real SIGKILL at two points, then resume: same weights as an uninterrupted run, no temp files,
+    no duplicated metric lines, and the lock of the killed process does not block."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    from tests.test_cli import TINY
+
+    args = [a if a != "12" else "60" for a in TINY] + ["--run_aevb", "false", "--run_stage3", "false", "--no-progress",
+                                                       "--threads", "1"]
+
+    def train(run, kill_when=None):
+        """Train; with ``kill_when`` (a checkpoint file), SIGKILL the process a moment after it appears."""
+        cmd = [sys.executable, "-m", "learn2stop", "sparse", "train", "--run-dir", str(run), *args]
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if kill_when is None:
+            assert p.wait(timeout=300) == 0, p.stderr.read().decode()
+            return True
+        while not (run / "checkpoints" / kill_when).exists() and p.poll() is None:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            return False
+        return True
+
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    train(clean)
+    kills = [train(killed, kill_when=f) for f in ("baseline.pt", "stage1.pt")]  # mid-baseline, mid-Stage I
+    assert kills.count(False) >= 1, "the process finished before it could be killed: make the run longer"
+    train(killed)
+    a = torch.load(clean / "checkpoints" / "stage2.pt", weights_only=True)["weights"]
+    b = torch.load(killed / "checkpoints" / "stage2.pt", weights_only=True)["weights"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+    assert not list(killed.rglob("*.tmp"))
+    lines = [json.loads(l) for l in (killed / "metrics.jsonl").read_text().splitlines()]
+    keys = [(r["stage"], r["iteration"]) for r in lines]
+    assert len(keys) == len(set(keys))
+    assert keys == [(r["stage"], r["iteration"]) for r in
+                    (json.loads(l) for l in (clean / "metrics.jsonl").read_text().splitlines())]

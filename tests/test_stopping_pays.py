@@ -224,11 +224,11 @@ def test_frontier_and_calibrate_run_end_to_end_on_tiny_sparse(tmp_path, capsys):
     from learn2stop.cli import main
     from tests.test_cli import TINY
 
+    TINY = [*TINY, "--run_aevb", "false", "--run_stage3", "false"]
     run = tmp_path / "run"
     assert main(["sparse", "frontier", "--run-dir", str(run), "--no-progress", *TINY]) == 2
     assert "run the 'train' command" in capsys.readouterr().err
-    assert main(["sparse", "train", "--run-dir", str(run), "--no-progress", "--run_aevb", "false",
-                 "--run_stage3", "false", *TINY]) == 0
+    assert main(["sparse", "train", "--run-dir", str(run), "--no-progress", *TINY]) == 0
     assert main(["sparse", "calibrate", "--run-dir", str(run), "--budget", "1.5", *TINY]) == 2
     assert "--budget" in capsys.readouterr().err
     assert main(["sparse", "calibrate", "--run-dir", str(run), "--budget", "0.6", *TINY]) == 0
@@ -248,6 +248,10 @@ def test_frontier_and_calibrate_run_end_to_end_on_tiny_sparse(tmp_path, capsys):
         assert p["mean_steps"] / 5 <= p["budget"] + 0.15  # calibrated on validation, scored on test
     assert (run / "frontier.png").is_file() and "| policy |" in (run / "frontier.md").read_text()
     # evaluate now uses the calibrated rule
-    assert main(["sparse", "evaluate", "--run-dir", str(run), "--no-progress", "--run_aevb", "false",
-                 "--run_stage3", "false", *TINY]) == 0
+    assert main(["sparse", "evaluate", "--run-dir", str(run), "--no-progress", *TINY]) == 0
     assert "calibrated quantile rule" in capsys.readouterr().out
+    # the run directory belongs to one configuration: another problem is refused by every command
+    for cmd in ("evaluate", "frontier", "calibrate", "train"):
+        extra = ["--budget", "0.5"] if cmd == "calibrate" else []
+        assert main(["sparse", cmd, "--run-dir", str(run), "--no-progress", *TINY, "--problem.sparsity", "0.3", *extra]) == 2
+        assert "problem.sparsity" in capsys.readouterr().err

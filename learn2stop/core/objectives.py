@@ -131,7 +131,9 @@ class StageConfig:
 
     def inherit(self, method: "MethodConfig | None" = None) -> "StageConfig":
         """A copy with every unset method-level field taken from ``method`` (defaults if None)."""
-        method = method or MethodConfig()
+        # deep supervision uses none of them (beta only for its logged diagnostics): it takes the defaults,
+        # so a baseline's checkpoint stays valid whatever beta or price the stop model is trained with
+        method = MethodConfig() if (method is None or self.objective == "deep_supervision") else method
         fill = {k: getattr(method, k) for k in INHERITED if getattr(self, k) in (None, "")}
         return dataclasses.replace(self, **fill) if fill else self
 

@@ -15,7 +15,6 @@ written atomically every ``checkpoint_every`` iterations, so a kill loses at mos
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from pathlib import Path
 from typing import Any, Iterable, Protocol
@@ -26,6 +25,8 @@ from tqdm.auto import tqdm
 
 from ..utils.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..utils.config import ConfigError, to_dict
+from ..utils.report import append_jsonl
+from ..utils.rundir import truncate_metrics
 from ..utils.distributed import DistContext
 from .calibration import InferenceConfig
 from .loop import StoppingModel, tree_map
@@ -129,8 +130,7 @@ class StagedTrainer:
     # ------------------------------------------------------------------ helpers
     def _log(self, record: dict) -> None:
         if self.ctx.is_main:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_jsonl(self.run_dir / "metrics.jsonl", record)  # strict JSON: NaN/inf become null
 
     def _trainable(self, cfg: StageConfig) -> list[nn.Parameter]:
         parts = {"model": [self.sm.model], "policy": [self.sm.policy], "both": [self.sm.model, self.sm.policy]}[cfg.trains]
@@ -184,6 +184,9 @@ class StagedTrainer:
             opt.load_state_dict(ck["optimizer"])
             start, best, elapsed = ck["iteration"], ck["best_score"], ck.get("elapsed", 0.0)
 
+        if self.ctx.is_main and (self.run_dir / "metrics.jsonl").is_file():
+            # records logged after the checkpoint we resume from would otherwise appear twice
+            truncate_metrics(self.run_dir / "metrics.jsonl", name, start)
         objective = StageObjective(self.sm, self.task.loss_fn, cfg)
         step_fn: nn.Module = objective
         if self.ctx.enabled:

@@ -10,9 +10,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..utils.config import save_yaml
+from ..utils.config import save_yaml, to_dict
 from ..utils.distributed import DistContext
 from ..utils.registry import Registry
+
+#: config sections that only say how to read a trained run (rule, evaluation, inputs), not what it is:
+#: they are left out of the run directory's fingerprint.
+READER_FIELDS = ("inference", "eval", "predict", "denoise", "eval_batch", "classical", "table_budget")
+#: commands that create or extend a run; any other command needs an existing, matching run.
+TRAINING_COMMANDS = ("train", "reproduce")
+
+
+def run_fingerprint(cfg: Any) -> dict:
+    """What a run's results depend on: the resolved config less the reader-only sections."""
+    return {k: v for k, v in to_dict(cfg).items() if k not in READER_FIELDS}
 
 
 @dataclass
@@ -30,17 +41,46 @@ class RunContext:
         return self.ctx.device
 
     def prepare(self, cfg: Any, command: str = "train") -> None:
-        """Create the run directory and save the resolved config beside the checkpoints.
+        """Check the run directory, lock it, and record the resolved config beside the checkpoints.
 
-        Training commands write ``config.yaml``; any other command writes ``config.<command>.yaml``,
-        so that evaluating with other flags never overwrites the record of how the run was trained.
+        In order, so that a refused command changes nothing: the folder must be usable (a training
+        command creates it; any other command needs it to exist); an exclusive lock is taken (a second
+        writer is refused, naming the holder); leftover temporary files of a killed run are removed;
+        the config's fingerprint must match the one the run was trained with (``fingerprint.json``);
+        only then is ``config.yaml`` (training) or ``config.<command>.yaml`` written. With resume off,
+        a training command first moves an existing run's files aside into ``previous-<time>/``.
         """
+        from ..utils.checkpoint import clean_stale_temp_files
+        from ..utils.rundir import RunLock, check_fingerprint, move_aside, prepare_run_dir, write_fingerprint
+
+        if getattr(self, "_prepared", None) is not None:
+            return  # a command calling another (reproduce -> train) prepares once
         self.run_dir = Path(self.run_dir)
+        training = command in TRAINING_COMMANDS
         if self.ctx.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            name = "config.yaml" if command in ("train", "reproduce") else f"config.{command}.yaml"
+            self.run_dir = prepare_run_dir(self.run_dir, create=training)
+            self._lock = RunLock(self.run_dir, command).acquire()
+            clean_stale_temp_files(self.run_dir)
+            if training and not self.resume:
+                moved = move_aside(self.run_dir)
+                if moved is not None:
+                    self.log(f"--no-resume: the earlier run's files were moved to {moved}")
+            fp = run_fingerprint(cfg)
+            known = check_fingerprint(self.run_dir, fp, command)
+            if training and not known:
+                write_fingerprint(self.run_dir, fp)
+            name = "config.yaml" if training else f"config.{command}.yaml"
             save_yaml(cfg, self.run_dir / name)
+        self._prepared = command
         self.ctx.barrier()
+
+    def close(self) -> None:
+        """Release the run directory's lock (the OS also releases it when the process ends)."""
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
+            self._lock = None
+        self._prepared = None
 
     def log(self, message: str) -> None:
         if self.ctx.is_main:
