@@ -14,6 +14,7 @@ its data, metric and report. The core runs the rest, the same way for every task
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -278,18 +279,28 @@ def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5,
             point["samples_per_s_batchN"] = measure_speed(model, big, factory, bn)
 
         speeds(full, lambda: FixedDepth(), sm.model)
+        if sm.policy is not None:
+            # the policy's own cost: full depth with the policy asked at every step but never stopping
+            asked = {}
+            speeds(asked, lambda: SignalRule(SIGNALS["quantile"](sm.policy), math.inf), sm.model)
+            overhead = {k: full[k] / asked[k] - 1 for k in ("samples_per_s_batch1", "samples_per_s_batchN")}
         for name, pts in curves.items():
             if name not in rules:
                 continue
             for p in pts:
                 speeds(p, rules[name](p), model_of.get(name) or sm.model)
     unit = app.cost_unit(cfg, sm)
+    if speed and sm.policy is not None:
+        result_overhead = {"batch1": overhead["samples_per_s_batch1"], "batchN": overhead["samples_per_s_batchN"]}
+    else:
+        result_overhead = None
     if unit is not None:
         for p in [full] + [p for pts in curves.values() for p in pts]:
             p[f"mean_{unit[0]}"] = p["mean_cost"] * unit[1]
     result = {"metric": metric.name, "lower_is_better": metric.lower_is_better, "num_steps": T,
               "full_depth": full, "batch_n": min(app.speed_batch, N), "device": str(dev or "cpu"),
-              "test_samples": N, "budget_by": app.budget_by, "curves": curves}
+              "test_samples": N, "budget_by": app.budget_by, "curves": curves,
+              "policy_overhead": result_overhead}
     result["summary"] = frontier_summary(curves, metric, full, T)
     if app.budget_by == "cost":
         result["summary_by_cost"] = frontier_summary(curves, metric, full, T, x="mean_cost")
