@@ -255,3 +255,22 @@ def test_frontier_and_calibrate_run_end_to_end_on_tiny_sparse(tmp_path, capsys):
         extra = ["--budget", "0.5"] if cmd == "calibrate" else []
         assert main(["sparse", cmd, "--run-dir", str(run), "--no-progress", *TINY, "--problem.sparsity", "0.3", *extra]) == 2
         assert "problem.sparsity" in capsys.readouterr().err
+
+
+def test_expected_stage1_pushes_bad_steps_up_while_marginal_weights_are_the_oracle():
+    """Why the presets use the marginal Stage I: the gradient of sum_t q*_t l_t through q* is
+    q*_t (1 - (l_t - E_q* l) / beta), negative for steps much worse than average (gradient *ascent* on
+    their loss: measured, early LISTA steps and early exits decay); the marginal form's gradient is q* >= 0."""
+    from learn2stop.core.losses import stage1_expected_loss, stage1_marginal_loss
+
+    losses = torch.tensor([[0.1, 2.0, 0.3, 0.15]], requires_grad=True)
+    beta = 0.28
+    stage1_expected_loss(losses, beta).backward()
+    g_expected = losses.grad.clone()
+    losses.grad = None
+    stage1_marginal_loss(losses, beta).backward()
+    q = log_oracle_distribution(losses.detach(), beta).exp()
+    torch.testing.assert_close(losses.grad, q)
+    expected = q * (1 - (losses.detach() - (q * losses.detach()).sum()) / beta)
+    torch.testing.assert_close(g_expected, expected)
+    assert (g_expected < 0).any() and (losses.grad >= 0).all()

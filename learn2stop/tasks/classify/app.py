@@ -94,7 +94,8 @@ class ClassifyConfig:
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     baseline: StageConfig = _stage(objective="deep_supervision", variant="last", select="last")
     sdn: StageConfig = _stage(objective="deep_supervision", variant="weighted", select="oracle")
-    stage1: StageConfig = _stage(objective="stage1", variant="expected", iterations=20_000, lr=1e-4)
+    # marginal: the oracle as fixed weights; through q* (expected) pushes each image's worse exits up
+    stage1: StageConfig = _stage(objective="stage1", variant="marginal", iterations=20_000, lr=1e-4)
     stage2: StageConfig = _stage(objective="stage2", variant="forward_kl", iterations=3000, lr=3e-3, weight_decay=0.0,
                                  lr_schedule="constant", eval_every=250, checkpoint_every=250)
     stage3: StageConfig = _stage(objective="stage3", iterations=0, lr=1e-4)
@@ -120,10 +121,10 @@ PRESETS: dict[str, dict] = {
     # The CIFAR-10 subset of ../shared/data (4,068 train / 1,017 test), a narrow 6-conv VGG with 5 ICs.
     "quick": {"data": {"kind": "cifar_subset_npz", "path": "../shared/data/cifar10-subset", "size": 32},
               "model": {"vgg": "vgg6-narrow"}, "baseline": _quick(500), "sdn": _quick(700), "stage1": _quick(250, lr=2e-4),
-              "stage2": _quick(600, lr=3e-3, weight_decay=0.0, lr_schedule="constant"), "method": {"beta": 3.0, "price": 1.0}},
+              "stage2": _quick(600, lr=3e-3, weight_decay=0.0, lr_schedule="constant"), "method": {"beta": 1.0, "price": 1.0}},
     # VGG16-BN on the same subset (a few CPU-hours; benchmarks/classify_cifar.py).
     "cifar": {"data": {"kind": "cifar_subset_npz", "path": "../shared/data/cifar10-subset", "size": 32},
-              "model": {"vgg": "vgg16"}, "baseline": _quick(6000), "sdn": _quick(6000), "stage1": _quick(2000, lr=1e-4),
+              "model": {"vgg": "vgg16"}, "baseline": _quick(6000), "sdn": _quick(6000), "stage1": _quick(2000, lr=1e-4, variant="expected"),
               "stage2": _quick(1500, lr=3e-3, weight_decay=0.0, lr_schedule="constant"), "method": {"beta": 3.0, "price": 1.0}},
     # The paper: VGG16-BN on Tiny-ImageNet at 64x64 (a GPU job; the dataclass defaults).
     "paper": {},
