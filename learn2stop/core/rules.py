@@ -87,6 +87,23 @@ class QuantileSignal(_Stateful):
         return -torch.expm1(log_survival[view.index])
 
 
+class _Keyed(StopSignal):
+    """A signal that watches one part of the output: a dict key, or a function of the output."""
+
+    def __init__(self, key: str | Callable | None = None):
+        self.key = key
+
+
+class _LowerStops:
+    """Mixin: the rule stops when a quantity falls below the parameter (score = minus it)."""
+
+    def to_param(self, threshold: float) -> float:
+        return -threshold
+
+    def from_param(self, param: float) -> float:
+        return -param
+
+
 def _leaf(output: Any, key: str | Callable | None) -> Tensor:
     if callable(key):
         return key(output)
@@ -96,7 +113,7 @@ def _leaf(output: Any, key: str | Callable | None) -> Tensor:
     return output if isinstance(output, Tensor) else leaves[0]
 
 
-class ToleranceSignal(_Stateful):
+class ToleranceSignal(_LowerStops, _Stateful, _Keyed):
     """The classical convergence test: minus the relative change ||o_t - o_{t-1}|| / ||o_t||.
 
     ``key`` picks what to watch: a dict key of the output, or a function of the output (e.g. MAML's
@@ -104,15 +121,6 @@ class ToleranceSignal(_Stateful):
     """
 
     name, param_name = "tolerance", "tol"
-
-    def __init__(self, key: str | Callable | None = None):
-        self.key = key
-
-    def to_param(self, threshold: float) -> float:
-        return -threshold
-
-    def from_param(self, param: float) -> float:
-        return -param
 
     def __call__(self, view: StepView) -> Tensor:
         out = _leaf(view.output, self.key).detach().float()
@@ -124,44 +132,29 @@ class ToleranceSignal(_Stateful):
         return torch.where(torch.isnan(change), torch.full_like(change, -math.inf), -change)
 
 
-class ConfidenceSignal(StopSignal):
+class ConfidenceSignal(_Keyed):
     """Max softmax probability of a classifier's logits (SDN's exit rule)."""
 
     name, param_name = "confidence", "q"
-
-    def __init__(self, key: str | Callable | None = None):
-        self.key = key
 
     def __call__(self, view: StepView) -> Tensor:
         return torch.softmax(_leaf(view.output, self.key).float(), dim=-1).amax(dim=-1)
 
 
-class EntropySignal(StopSignal):
+class EntropySignal(_LowerStops, _Keyed):
     """Minus the entropy of the softmax (BranchyNet's rule); the parameter is the entropy bound."""
 
     name, param_name = "entropy", "max_entropy"
-
-    def __init__(self, key: str | Callable | None = None):
-        self.key = key
-
-    def to_param(self, threshold: float) -> float:
-        return -threshold
-
-    def from_param(self, param: float) -> float:
-        return -param
 
     def __call__(self, view: StepView) -> Tensor:
         logp = torch.log_softmax(_leaf(view.output, self.key).float(), dim=-1)
         return (logp.exp() * logp).sum(dim=-1)
 
 
-class PatienceSignal(_Stateful):
+class PatienceSignal(_Stateful, _Keyed):
     """How many exits in a row the predicted class has stayed the same (PABEE); parameter: patience k."""
 
     name, param_name = "patience", "k"
-
-    def __init__(self, key: str | Callable | None = None):
-        self.key = key
 
     def __call__(self, view: StepView) -> Tensor:
         pred = _leaf(view.output, self.key).argmax(dim=-1)

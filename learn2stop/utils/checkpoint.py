@@ -25,23 +25,47 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt, or not a learn2stop checkpoint."""
 
 
-def save_checkpoint(payload: dict[str, Any], path: str | os.PathLike) -> Path:
-    """Write ``payload`` atomically to ``path``; returns the path."""
+def _umask() -> int:
+    try:  # Linux: read it without changing it (os.umask both sets and returns)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def atomic_write(path: str | os.PathLike, write, public: bool = False) -> Path:
+    """Write a file through ``write(binary file)`` into a temporary file beside it, fsync, then rename.
+
+    The temporary file is ``.<name>.<random>.tmp`` (what :func:`clean_stale_temp_files` removes);
+    ``os.replace`` is atomic, so a kill mid-write leaves the previous file intact. ``public``: give the
+    file the usual 0666-less-umask permissions instead of ``mkstemp``'s private 0600.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"format": FORMAT, "version": VERSION, **payload}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(data, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
+        if public:
+            os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
     return path
+
+
+def save_checkpoint(payload: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Write ``payload`` atomically to ``path``; returns the path."""
+    data = {"format": FORMAT, "version": VERSION, **payload}
+    return atomic_write(path, lambda f: torch.save(data, f))
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:

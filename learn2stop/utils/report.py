@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -25,40 +24,15 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], digits
     return "\n".join(lines)
 
 
-def _umask() -> int:
-    try:  # Linux: read it without changing it (os.umask both sets and returns)
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    old = os.umask(0o022)
-    os.umask(old)
-    return old
-
-
 def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` through a temporary file and ``os.replace``.
+    """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`learn2stop.utils.checkpoint.atomic_write`).
 
-    A kill mid-write leaves the previous file (or none), never half a file; the temporary file is
-    named ``.<name>.<random>.tmp`` in the same folder, the pattern that
-    :func:`learn2stop.utils.checkpoint.clean_stale_temp_files` removes. The file gets the usual
+    A kill mid-write leaves the previous file (or none), never half a file; the file gets the usual
     permissions (0666 less the umask), not ``mkstemp``'s private 0600.
     """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    from .checkpoint import atomic_write
+
+    return atomic_write(path, lambda f: f.write(text.encode("utf-8")), public=True)
 
 
 def to_strict_json(data: Any) -> Any:
