@@ -108,10 +108,15 @@ def test_quantile_scores_are_the_cdf_of_q_phi(sm):
     y = torch.randn(10, 6)
     logits = unroll(sm.model, y, policy=sm.policy, model_grad=False).stop_logits
     cdf = log_stop_time_distribution(logits).exp().cumsum(1)[:, :-1]
-    torch.testing.assert_close(policy_scores(logits, "quantile"), cdf)
+    score = policy_scores(logits, "quantile")  # -log survival: a monotone map of the CDF that keeps precision
+    torch.testing.assert_close(-torch.expm1(-score), cdf)
+    for alpha in (0.2, 0.5, 0.9):
+        assert QuantileSignal.to_param(QuantileSignal.from_param(alpha)) == pytest.approx(alpha)
     r = unroll(sm.model, y, policy=sm.policy, model_grad=False)
     assert torch.equal(InferenceConfig(rule="quantile", param=0.5).stop_times(r),
-                       first_crossing(cdf, 0.5))
+                       first_crossing(cdf, 0.5 - 1e-6))
+    sharp = torch.full((1, 3), 30.0)  # pi ~ 1: the CDF is exactly 1.0 in float32 at every step, the score is not
+    assert policy_scores(sharp, "quantile").diff(dim=1).gt(0).all()
 
 
 @pytest.mark.parametrize("costs", [None, torch.tensor([1, 3, 4, 6, 7, 9, 10.0]) / 10])

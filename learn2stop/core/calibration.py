@@ -85,15 +85,16 @@ class InferenceConfig:
             raise ValueError("this rule needs a policy's stop logits; the rollout has none")
         if self.sampled:
             return sampled_stop_times(rollout.stop_logits, generator)
-        return first_crossing(policy_scores(rollout.stop_logits, self.rule), self.param)
+        return first_crossing(policy_scores(rollout.stop_logits, self.rule), SIGNALS[self.rule].from_param(self.param))
 
 
 def policy_scores(stop_logits: Tensor, rule: str) -> Tensor:
-    """The (B, T-1) scores of a policy rule from stop logits: pi_t, or the CDF 1 - prod (1 - pi_s)."""
+    """The (B, T-1) scores of a policy rule from stop logits, as its signal computes them online:
+    pi_t, or for the quantile rule -log prod_{s<=t} (1 - pi_s) (see :class:`QuantileSignal`)."""
     if rule == "threshold":
         return torch.sigmoid(stop_logits.float())
     if rule == "quantile":
-        return -torch.expm1(torch.nn.functional.logsigmoid(-stop_logits.float()).cumsum(dim=1))
+        return -torch.nn.functional.logsigmoid(-stop_logits.float()).cumsum(dim=1)
     raise ValueError(f"not a policy rule: {rule!r}")
 
 

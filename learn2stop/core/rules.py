@@ -37,10 +37,12 @@ class StopSignal:
     param_name = "threshold"
     needs_policy = False
 
-    def to_param(self, threshold: float) -> float:
+    @staticmethod
+    def to_param(threshold: float) -> float:
         return threshold
 
-    def from_param(self, param: float) -> float:
+    @staticmethod
+    def from_param(param: float) -> float:
         return param
 
     def __call__(self, view: StepView) -> Tensor:
@@ -70,9 +72,11 @@ class PolicySignal(StopSignal):
 
 
 class QuantileSignal(_Stateful):
-    """1 - prod_{s<=t} (1 - pi_s): the probability that q_phi has stopped by step t (its CDF).
+    """The probability that q_phi has stopped by step t, 1 - prod_{s<=t} (1 - pi_s), as a score.
 
     Thresholding it at alpha stops at the alpha-quantile of each sample's stop-time distribution.
+    The score is -log prod_{s<=t} (1 - pi_s) (a monotone transform of that CDF, which in float32 rounds
+    to 1.0 once q_phi is sharp and would merge distinct thresholds); the parameter is alpha itself.
     """
 
     name, param_name, needs_policy = "quantile", "alpha", True
@@ -80,11 +84,19 @@ class QuantileSignal(_Stateful):
     def __init__(self, policy: nn.Module):
         self.policy = policy
 
+    @staticmethod
+    def to_param(threshold: float) -> float:
+        return -math.expm1(-threshold) if math.isfinite(threshold) else 1.0
+
+    @staticmethod
+    def from_param(param: float) -> float:
+        return -math.log1p(-param) if param < 1 else math.inf
+
     def __call__(self, view: StepView) -> Tensor:
         logits = _policy_logits(self.policy, view.inputs, view.output, view.t, view.index.numel())
         log_survival = self._state(view, lambda n: torch.zeros(n, device=logits.device, dtype=torch.float32))
         log_survival[view.index] += F.logsigmoid(-logits.float())
-        return -torch.expm1(log_survival[view.index])
+        return -log_survival[view.index]
 
 
 class _Keyed(StopSignal):
@@ -97,10 +109,12 @@ class _Keyed(StopSignal):
 class _LowerStops:
     """Mixin: the rule stops when a quantity falls below the parameter (score = minus it)."""
 
-    def to_param(self, threshold: float) -> float:
+    @staticmethod
+    def to_param(threshold: float) -> float:
         return -threshold
 
-    def from_param(self, param: float) -> float:
+    @staticmethod
+    def from_param(param: float) -> float:
         return -param
 
 

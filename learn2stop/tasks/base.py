@@ -22,8 +22,10 @@ TRAINING_COMMANDS = ("train", "reproduce")
 
 
 def run_fingerprint(cfg: Any) -> dict:
-    """What a run's results depend on: the resolved config less the reader-only sections."""
-    return {k: v for k, v in to_dict(cfg).items() if k not in READER_FIELDS}
+    """What a run's results depend on: the resolved config less the reader-only sections
+    (a config class may name its own in a ``reader_fields`` class attribute)."""
+    readers = getattr(type(cfg), "reader_fields", READER_FIELDS)
+    return {k: v for k, v in to_dict(cfg).items() if k not in readers}
 
 
 @dataclass
@@ -66,6 +68,10 @@ class RunContext:
                 if moved is not None:
                     self.log(f"--no-resume: the earlier run's files were moved to {moved}")
             fp = run_fingerprint(cfg)
+            ckpts = self.run_dir / "checkpoints"
+            if training and not (ckpts.is_dir() and any(ckpts.glob("*.pt"))):
+                # nothing trained yet (a first attempt that failed early): the settings are still free
+                (self.run_dir / "fingerprint.json").unlink(missing_ok=True)
             known = check_fingerprint(self.run_dir, fp, command)
             if training and not known:
                 write_fingerprint(self.run_dir, fp)
