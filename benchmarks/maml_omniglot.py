@@ -3,6 +3,11 @@
     OMP_NUM_THREADS=2 python benchmarks/maml_omniglot.py                        # about an hour on 2 CPU cores
     python benchmarks/maml_omniglot.py --budget tiny --run-dir /tmp/maml-tiny   # ~1 min: checks the pipeline
 
+After training and the Table 4 comparison it writes the accuracy-compute frontier of the run
+(``frontier.md`` / ``.png`` / ``.json``, the core's ``frontier_command``): ``--frontier metric`` (default)
+without wall-clock speeds, ``speed`` with them (batch 1 and batch 100 tasks per point: many minutes
+for Conv4 on a CPU), ``none`` to skip it.
+
 Reduction from the paper's schedule (App. B.2; the ``paper`` preset of ``learn2stop maml`` keeps it in full):
 
 | what | paper | ``--budget hour`` (default) |
@@ -13,6 +18,7 @@ Reduction from the paper's schedule (App. B.2; the ``paper`` preset of ``learn2s
 | Stage II (policy, MAP target) | trained jointly with Stage I | 60 iterations, meta-batch 4, theta frozen |
 | validation | - | 20 tasks every 50 iterations |
 | test | 600 tasks, 95% CI | 600 tasks, 95% CI, the same tasks for both methods |
+| stop rule at test time | sampled from q_phi | the config's ``inference`` (``--rule``; the run's calibration if any) |
 
 So the accuracies sit far below the paper's (a few hundred meta-iterations instead of 60k): the run
 measures the comparison of the two methods on equal footing and the depth MAML-stop chooses per shot count.
@@ -24,8 +30,8 @@ resident size before the steps, in a fresh subprocess per method, so one method'
 cannot hide the other's; ``torch.cuda.max_memory_allocated`` on a GPU). MAML-stop's depth is random
 (t ~ q*), so both take the maximum over a few meta-batches.
 
-Everything is done by the library (:mod:`learn2stop.tasks.maml.app`); this script only sets the
-budget and prints the comparison.
+Everything is done by the library (:mod:`learn2stop.tasks.maml.app` and the core pipeline); this
+script only sets the budget and prints the comparison.
 """
 from __future__ import annotations
 
@@ -37,8 +43,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from learn2stop.core.pipeline import frontier_command  # noqa: E402
 from learn2stop.tasks.base import RunContext  # noqa: E402
-from learn2stop.tasks.maml.app import PRESETS, MAMLConfig, reproduce  # noqa: E402
+from learn2stop.tasks.maml.app import APP, PRESETS, MAMLConfig, reproduce  # noqa: E402
 from learn2stop.tasks.maml.memory import graph_bytes, process_peak_bytes  # noqa: E402
 from learn2stop.utils.config import merge, resolve, to_dict  # noqa: E402
 from learn2stop.utils.distributed import DistContext  # noqa: E402
@@ -75,20 +82,25 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--memory-only", action="store_true", help="only measure peak memory (no training)")
-    p.add_argument("--eval-mode", choices=["threshold", "sample"], default="threshold",
-                   help="the policy's test-time rule: pi_t > 0.5, or stop with probability pi_t")
+    p.add_argument("--rule", choices=["quantile", "threshold", "sampled"], default="quantile",
+                   help="the policy's test-time rule: the median of q_phi, pi_t >= 0.5, or stop with probability pi_t")
+    p.add_argument("--frontier", choices=["none", "metric", "speed"], default="metric",
+                   help="the accuracy-compute frontier after training: skip it, metric only, or with speeds")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
 
     import torch
 
-    budget = merge(BUDGETS[args.budget], {"data": {"path": args.data}, "eval": {"mode": args.eval_mode}})
+    rule = {"sampled": True} if args.rule == "sampled" else {"rule": args.rule, "param": 0.5}
+    budget = merge(BUDGETS[args.budget], {"data": {"path": args.data}, "inference": rule})
     cfg = resolve(MAMLConfig, merge(PRESETS["paper"], budget))
     run = RunContext(run_dir=Path(args.run_dir), ctx=DistContext(device=torch.device(args.device)),
                      progress=not args.no_progress)
     if not args.memory_only:
         run.prepare(cfg)
         compare(cfg, run, args.budget)
+        if args.frontier != "none":
+            frontier_command(APP, cfg, run, speed=args.frontier == "speed")
     if not args.no_memory:
         memory(cfg, args.budget, args.device)
     return 0
@@ -105,6 +117,7 @@ def compare(cfg: MAMLConfig, run: RunContext, budget: str) -> None:
     print(f"\nOmniglot 20-way 1-5 shot (imbalanced), {result['tasks']} test tasks, budget {budget!r}, "
           f"{seconds / 60:.1f} min for training and evaluation")
     print(markdown_table(["method", "accuracy % (ours, 95% CI)", "paper Table 4"], rows))
+    print(f"MAML-stop stops with the {result['rule']}")
     print(f"mean stop step of MAML-stop: {result['mean_stop_step']:.2f} of {cfg.model.inner_steps}; by shot K: "
           + ", ".join(f"K={k}: {v['mean_stop']:.2f}" for k, v in result["stop_by_shot"].items()))
 
@@ -112,7 +125,8 @@ def compare(cfg: MAMLConfig, run: RunContext, budget: str) -> None:
 def memory(cfg: MAMLConfig, budget: str, device: str) -> None:
     batch = MEMORY_BATCH[budget]
     mem_cfg = resolve(MAMLConfig, merge(to_dict(cfg), {
-        "model": {"first_order": False}, "maml": {"batch_size": batch}, "stage1": {"batch_size": batch}}))
+        "model": {"first_order": False}, "maml": {"batch_size": batch},
+        "stage1": {"batch_size": batch, "beta": cfg.method.beta}}))  # memory.py reads the stage's own beta
     graph = {m: graph_bytes(mem_cfg, m, repeats=3) for m in ("maml", "stop")}
     proc = {m: process_peak_bytes(mem_cfg, m, device=device, repeats=3) for m in ("maml", "stop")}
     mb = lambda b: b / 2**20

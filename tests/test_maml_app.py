@@ -1,4 +1,4 @@
-"""The maml CLI application: config validation, a tiny end-to-end run, resume, data errors."""
+"""The maml CLI application: config validation, a tiny end-to-end run, resume, calibrate and frontier, data errors."""
 import json
 
 import numpy as np
@@ -17,7 +17,7 @@ TINY = ["--maml.iterations", "4", "--stage1.iterations", "4", "--stage2.iteratio
 
 def test_registered_with_presets():
     spec = get_task("maml")
-    assert set(spec.commands) == {"train", "evaluate", "reproduce"}
+    assert set(spec.commands) == {"train", "evaluate", "reproduce", "calibrate", "frontier"}
     for name, preset in PRESETS.items():
         resolve(MAMLConfig, preset)  # every preset is a valid config
 
@@ -30,7 +30,10 @@ def test_registered_with_presets():
     ({"model": {"network": "mlp"}}, "model.network"),
     ({"stage1": {"objective": "stage2", "variant": "map"}}, "stage1.objective"),
     ({"eval": {"tasks": 0}}, "eval.tasks"),
-    ({"eval": {"mode": "greedy"}}, "eval.mode"),
+    ({"inference": {"rule": "greedy"}}, "inference.rule"),
+    ({"inference": {"param": 1.5}}, "inference.param"),
+    ({"method": {"beta": 0.0}}, "method.beta"),
+    ({"method": {"price": -1.0}}, "method.price"),
     ({"stage1": {"lr": -1.0}}, "stage1.lr"),
 ])
 def test_bad_config_names_the_field(override, field):
@@ -46,12 +49,73 @@ def test_quick_preset_end_to_end_and_resume(tmp_path, capsys):
     assert set(result["rows"]) >= {"MAML (3 steps)", "MAML-stop (learned stop)"}
     assert result["inner_steps_computed"]["maml_stop"] <= result["inner_steps_computed"]["maml"]
     assert (run_dir / "stop_by_shot.png").stat().st_size > 1000 and "95% CI" in (run_dir / "results.md").read_text()
-    mtime = (run_dir / "stop" / "checkpoints" / "stage1.pt").stat().st_mtime
+    for f in ("config.yaml", "metrics.jsonl", "training_summary.json", "checkpoints/baseline.pt", "checkpoints/stage2.pt"):
+        assert (run_dir / f).is_file(), f  # one run-directory layout, no per-model sub-folders
+    assert not (run_dir / "maml").exists() and not (run_dir / "stop").exists()
+    mtime = (run_dir / "checkpoints" / "stage1.pt").stat().st_mtime
     capsys.readouterr()
     assert main(["maml", "evaluate", "--preset", "quick", "--run-dir", str(run_dir), "--model.inner_steps", "3"] + TINY) == 0
     assert main(["maml", "train", "--preset", "quick", "--run-dir", str(run_dir), "--model.inner_steps", "3"] + TINY) == 0
-    assert (run_dir / "stop" / "checkpoints" / "stage1.pt").stat().st_mtime == mtime  # finished stages are skipped
+    assert (run_dir / "checkpoints" / "stage1.pt").stat().st_mtime == mtime  # finished stages are skipped
     assert "MAML-stop (learned stop)" in capsys.readouterr().out
+
+
+def test_frontier_and_calibrate_end_to_end(tmp_path, capsys):
+    """frontier writes every curve with speeds; calibrate meets its budget; evaluate then uses the calibrated rule."""
+    run_dir = str(tmp_path / "run")
+    args = ["--preset", "quick", "--run-dir", run_dir, "--model.inner_steps", "4"] + TINY
+    assert main(["maml", "frontier"] + args) == 2  # nothing trained yet: a clear error
+    assert "run the 'train' command" in capsys.readouterr().err
+    assert main(["maml", "train"] + args) == 0
+    assert main(["maml", "frontier"] + args) == 0
+    front = json.loads((tmp_path / "run" / "frontier.json").read_text())
+    assert front["metric"] == "query MSE" and front["lower_is_better"] is True and front["num_steps"] == 4
+    assert {"fixed_depth", "tolerance", "policy", "oracle"} <= set(front["curves"])
+    assert "baseline_fixed_depth" not in front["curves"]  # MAML has one output, after all T updates
+    assert [p["depth"] for p in front["curves"]["fixed_depth"]] == [1, 2, 3, 4]
+    for name in ("fixed_depth", "tolerance", "policy", "oracle"):
+        for p in front["curves"][name]:
+            assert {"mean_steps", "metric"} <= set(p) and 1 <= p["mean_steps"] <= 4
+            if name != "oracle":  # the oracle is a bound, not a method: it has no speed
+                assert p["samples_per_s_batch1"] > 0 and p["samples_per_s_batchN"] > 0
+    assert front["full_depth"]["metric"] == front["curves"]["fixed_depth"][-1]["metric"]
+    assert front["batch_n"] == 12 and (tmp_path / "run" / "frontier.png").stat().st_size > 1000
+
+    assert main(["maml", "calibrate", "--budget", "1.5"] + args) == 2
+    assert "--budget" in capsys.readouterr().err
+    assert main(["maml", "calibrate", "--budget", "0.5"] + args) == 0
+    cal = json.loads((tmp_path / "run" / "calibration.json").read_text())
+    assert cal["rule"] == "quantile" and cal["calibration"]["mean_steps"] <= 0.5 * 4 + 1e-6
+    capsys.readouterr()
+    assert main(["maml", "evaluate"] + args) == 0
+    result = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert result["rule"].startswith("calibrated quantile rule") and "calibrated quantile rule" in capsys.readouterr().out
+    assert result["mean_stop_step"] == pytest.approx(cal["test"]["mean_steps"])  # the same test tasks and rule
+
+
+def test_fixed_task_sets_and_the_tolerance_signal():
+    """val and test are fixed, seeded and distinct; training selects on the very val tasks; the classical
+    rule watches the relative change of each task's support loss."""
+    import torch
+
+    from learn2stop.core import StoppingModel, signal_trace, unroll
+    from learn2stop.tasks.maml.app import APP
+
+    cfg = resolve(MAMLConfig, PRESETS["quick"], overrides={"model": {"inner_steps": 3}, "eval": {"tasks": 7, "val_tasks": 5, "chunk": 3}})
+    val, test = APP.eval_batches(cfg, "val", "cpu"), APP.eval_batches(cfg, "test", "cpu")
+    assert [b[1].shape[0] for b in val] == [3, 2] and sum(b[1].shape[0] for b in test) == 7
+    torch.testing.assert_close(val[0][1], APP.eval_batches(cfg, "val", "cpu")[0][1])
+    assert not torch.equal(val[0][1], test[0][1][:3])
+    sm = APP.build_models(cfg, "cpu")["stop"]
+    task_val = APP.training_task(cfg, "stop", sm).validation_batches("cpu")
+    torch.testing.assert_close(task_val[1][0]["support_x"], val[1][0]["support_x"])
+    inputs, _ = val[0]
+    with torch.no_grad():
+        r = unroll(sm.model, inputs, keep_outputs=True)
+    scores = signal_trace(APP.classical_signals(cfg)["tolerance"](), r.step_outputs, inputs)  # (3, T-1)
+    loss = torch.stack([o["support_loss"] for o in r.step_outputs], 1)  # (3, T)
+    assert torch.isinf(scores[:, 0]).all()  # step 1 has no previous support loss: never stops
+    torch.testing.assert_close(scores[:, 1], -(loss[:, 1] - loss[:, 0]).abs() / loss[:, 1])
 
 
 def test_omniglot_npz_run_on_generated_data(tmp_path):
@@ -63,12 +127,13 @@ def test_omniglot_npz_run_on_generated_data(tmp_path):
                             char_id=np.arange(n), alphabet=np.array([f"A{part}"] * n),
                             character=np.array([f"character{i:02d}" for i in range(n)]))
     args = ["maml", "reproduce", "--preset", "paper", "--data.path", str(root), "--data.n_way", "3", "--data.k_max", "3",
-            "--model.hidden", "4", "--model.inner_steps", "2", "--eval.per_step", "false", "--eval.mode", "sample",
+            "--model.hidden", "4", "--model.inner_steps", "2", "--eval.per_step", "false", "--inference.sampled", "true",
             "--run-dir", str(tmp_path / "run")] + TINY
     assert main(args) == 0
     result = json.loads((tmp_path / "run" / "results.json").read_text())
     assert result["tasks"] == 12 and set(result["rows"]) == {"MAML (2 steps)", "MAML-stop (learned stop)"}
-    assert 0 <= result["rows"]["MAML (2 steps)"]["mean"] <= 100
+    assert 0 <= result["rows"]["MAML (2 steps)"]["mean"] <= 100 and result["rule"] == "sampled policy"
+    assert result["metric"] == "accuracy (%)" and result["lower_is_better"] is False
 
 
 def test_missing_or_unfit_data_is_a_clear_error(tmp_path, capsys):
@@ -76,9 +141,12 @@ def test_missing_or_unfit_data_is_a_clear_error(tmp_path, capsys):
                  "--run-dir", str(tmp_path / "r")] + TINY) == 2
     assert "Omniglot folder not found" in capsys.readouterr().err
     assert main(["maml", "train", "--preset", "omniglot-folders", "--data.path", str(tmp_path),
-                 "--run-dir", str(tmp_path / "r")] + TINY) == 2
+                 "--run-dir", str(tmp_path / "r2")] + TINY) == 2
     assert "images_background/ is missing" in capsys.readouterr().err
     assert main(["maml", "evaluate", "--preset", "quick", "--run-dir", str(tmp_path / "empty")] + TINY) == 2
+    assert "run the 'train' command first" in capsys.readouterr().err
+    assert main(["maml", "evaluate", "--preset", "paper", "--data.path", str(tmp_path / "nowhere"),
+                 "--run-dir", str(tmp_path / "r")] + TINY) == 2  # the failed run left no checkpoint
     assert "checkpoint not found" in capsys.readouterr().err
 
 

@@ -83,7 +83,8 @@ def test_stage1_graph_memory_stays_within_maml():
     from learn2stop.tasks.maml.app import PRESETS, MAMLConfig
     from learn2stop.utils.config import resolve
 
-    cfg = resolve(MAMLConfig, PRESETS["quick"], overrides={"maml": {"batch_size": 8}, "stage1": {"batch_size": 8}})
+    # beta set on the stage itself: memory.py builds the objective from the stage's own config
+    cfg = resolve(MAMLConfig, PRESETS["quick"], overrides={"maml": {"batch_size": 8}, "stage1": {"batch_size": 8, "beta": 0.05}})
     maml, stop = graph_bytes(cfg, "maml", repeats=2), graph_bytes(cfg, "stop", repeats=4)
     assert maml > 0 and stop <= 1.3 * maml
     x = torch.randn(1000, requires_grad=True)

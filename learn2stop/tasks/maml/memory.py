@@ -62,7 +62,7 @@ def training_step(cfg, method: str, device, data=None) -> tuple[Callable[[int], 
 
     data = data or Data(cfg.data)
     maml, stop = build(cfg, device)
-    sm, stage = (maml, cfg.maml) if method == "maml" else (stop, cfg.stage1)
+    sm, stage = (maml, cfg.maml) if method == "maml" else (stop, cfg.stage1.inherit(cfg.method))
     if method == "stop":
         sm.model.policy_features = False
     task = MetaLearningTask(sm.model, data.sampler, data.split["train"], data.split["val"], 1, 0, 1)

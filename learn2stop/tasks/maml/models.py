@@ -8,18 +8,25 @@ that gradient (torch.func transforms compose with autograd); first-order MAML de
 :class:`MAMLModel` is the learner seen by the core loop: step t is (a block of) inner gradient
 steps on the support set, the state is the per-task fast weights ``{name: (B, *shape)}`` and the
 readout is the query prediction (plus label-free features for the stopping policy).
+
+:class:`ModelConfig` and the builders at the end (:func:`build`: MAML and MAML-stop from one
+initialisation) turn a config into the two :class:`~learn2stop.core.loop.StoppingModel` s.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import grad, vmap
 
-from ...core.loop import tree_leaves, tree_map
+from ...core.loop import StoppingModel, tree_leaves, tree_map
+from ...core.trainer import derive_seed
+from ...utils.config import one_of, positive, require
 from ...utils.registry import Registry
+from .policy import MAMLStopPolicy
 
 NETWORKS: Registry[type] = Registry("MAML network")
 
@@ -238,16 +245,26 @@ class MAMLModel(nn.Module):
 
     def task_loss(self, output: dict, target: Tensor) -> Tensor:
         """Mean query loss per task, shape (B,): the l(y, x_t) of the oracle."""
-        pred = output["pred"]
-        per = per_example_loss(pred.flatten(0, 1), target.flatten(0, 1), self.loss)
-        return per.view(pred.shape[0], -1).mean(dim=1)
+        return query_loss(output, target, self.loss)
 
     def task_metric(self, output: dict, target: Tensor) -> Tensor:
         """Per task: query accuracy (classification) or query MSE (regression); shape (B,)."""
-        pred = output["pred"]
-        if self.loss == "cross_entropy":
-            return (pred.argmax(dim=-1) == target).float().mean(dim=1)
-        return ((pred - target) ** 2).sum(dim=-1).mean(dim=1)
+        return query_metric(output, target, self.loss)
+
+
+def query_loss(output: dict, target: Tensor, kind: str) -> Tensor:
+    """Mean query loss per task (cross-entropy or squared error): output["pred"] (B, Q, out) -> (B,)."""
+    pred = output["pred"]
+    per = per_example_loss(pred.flatten(0, 1), target.flatten(0, 1), kind)
+    return per.view(pred.shape[0], -1).mean(dim=1)
+
+
+def query_metric(output: dict, target: Tensor, kind: str) -> Tensor:
+    """Per task: the fraction of query examples classified right (cross_entropy), or the query MSE; (B,)."""
+    pred = output["pred"]
+    if kind == "cross_entropy":
+        return (pred.argmax(dim=-1) == target).float().mean(dim=1)
+    return ((pred - target) ** 2).sum(dim=-1).mean(dim=1)
 
 
 def confidence_interval(values: Tensor) -> tuple[float, float]:
@@ -256,3 +273,57 @@ def confidence_interval(values: Tensor) -> tuple[float, float]:
     n = v.numel()
     half = 1.96 * float(v.std(unbiased=True)) / math.sqrt(n) if n > 1 else float("nan")
     return float(v.mean()), half
+
+
+@dataclass
+class ModelConfig:
+    """The learner and its inner loop. inner_steps: T (the policy picks among steps 1..T)."""
+
+    network: str = "conv4"
+    hidden: int = 64
+    inner_steps: int = 10
+    inner_lr: float = 0.1
+    first_order: bool = False
+
+    def __post_init__(self):
+        one_of(self.network, NETWORKS.names(), "network")
+        for name in ("hidden", "inner_steps"):
+            v = getattr(self, name)
+            require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, f"must be an integer >= 1; got {v!r}")
+        positive(self.inner_lr, "inner_lr")
+
+
+# ----------------------------------------------------------------------------- builders (cfg: a MAMLConfig)
+def make_network(cfg):
+    if cfg.model.network == "mlp":
+        return NETWORKS.get("mlp")(in_dim=1, out_dim=1, hidden=cfg.model.hidden)
+    channels = 3 if cfg.data.source == "miniimagenet" else 1
+    return NETWORKS.get("conv4")(in_channels=channels, image_size=cfg.data.image_size, out_dim=cfg.data.n_way,
+                                 hidden=cfg.model.hidden)
+
+
+def loss_kind(cfg) -> str:
+    return "mse" if cfg.data.source == "sinusoid" else "cross_entropy"
+
+
+def build(cfg, device, *, seed_offset: str = "") -> tuple[StoppingModel, StoppingModel]:
+    """The two models, same initialisation: MAML (one output after T updates) and MAML-stop (T outputs + policy).
+
+    Seeded from ``cfg.seed`` (and ``seed_offset``) without touching the caller's global RNG.
+    """
+    loss, T, m = loss_kind(cfg), cfg.model.inner_steps, cfg.model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(cfg.seed, "init", seed_offset))
+        net = make_network(cfg)
+        net_stop = make_network(cfg)
+        net_stop.load_state_dict(net.state_dict())
+        policy = MAMLStopPolicy(net_stop.feat_dim, 1 if loss == "mse" else cfg.data.n_way, T, classification=loss != "mse")
+    maml = StoppingModel(MAMLModel(net, 1, m.inner_lr, m.first_order, loss, updates_per_step=T))
+    stop = StoppingModel(MAMLModel(net_stop, T, m.inner_lr, m.first_order, loss, policy_features=True), policy)
+    return maml.to(device), stop.to(device)
+
+
+def step_view(maml: StoppingModel, cfg) -> MAMLModel:
+    """The MAML baseline's network seen step by step (T outputs), to report its metric per step."""
+    m = maml.model
+    return MAMLModel(m.net, cfg.model.inner_steps, m.inner_lr, m.first_order, m.loss)

@@ -1,13 +1,82 @@
-"""The meta-learning training task for the core trainer, and the 600-task evaluation."""
+"""Where the tasks come from (data config, datasets, samplers), the training task for the core
+trainer, and the report pieces of ``evaluate``."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ...core.loop import FixedDepth, PolicyRule, StoppingModel, run_with_early_exit, tree_map, unroll
+from ...core.loop import tree_map
+from ...utils.config import one_of, require
+from . import data as D
 from .models import MAMLModel, confidence_interval
+from .samplers import FewShotSampler, SinusoidSampler
+
+SOURCES = ("sinusoid", "omniglot_npz", "omniglot_folders", "miniimagenet")
+
+
+def require_ints(cfg: Any, *names: str, least: int = 1) -> None:
+    """Each named field of ``cfg`` is an integer >= ``least`` (a ConfigError naming the field otherwise)."""
+    for name in names:
+        v = getattr(cfg, name)
+        require(isinstance(v, int) and not isinstance(v, bool) and v >= least, name, f"must be an integer >= {least}; got {v!r}")
+
+
+@dataclass
+class DataConfig:
+    """Which tasks: the source, its path, and the N-way k1-k2-shot setting.
+
+    source: sinusoid (embedded, no data) | omniglot_npz (background.npz + evaluation.npz) |
+        omniglot_folders (images_background/ + images_evaluation/ PNGs) | miniimagenet (images/ + CSVs).
+    split_file: Omniglot character order (first 1100 train, 100 val, rest test); "" = path/maml_split.txt.
+    k_min, k_max: the task's shot count K ~ U{k_min..k_max}; equal values give the vanilla setting.
+    query_per_class: query examples per class (sinusoid: query points per task).
+    rotations: add every class rotated by 90/180/270 degrees as new classes (Omniglot).
+    noise: sinusoid only, std of the noise on support targets.
+    """
+
+    source: str = "omniglot_npz"
+    path: str = "../shared/data/omniglot"
+    split_file: str = ""
+    n_way: int = 20
+    k_min: int = 1
+    k_max: int = 5
+    query_per_class: int = 1
+    rotations: bool = True
+    image_size: int = 28
+    noise: float = 0.0
+
+    def __post_init__(self):
+        one_of(self.source, SOURCES, "source")
+        require_ints(self, "k_min", "n_way", "query_per_class")
+        require(isinstance(self.k_max, int) and self.k_max >= self.k_min, "k_max",
+                f"must be an integer >= k_min = {self.k_min}; got {self.k_max!r}")
+        require_ints(self, "image_size", least=16)
+        require(self.noise >= 0, "noise", f"must be >= 0; got {self.noise}")
+        if self.source != "sinusoid":
+            require(self.path != "", "path", f"needed for source = {self.source}")
+
+
+class Data:
+    """The train/val/test datasets and the sampler, checked once against the sampler's needs."""
+
+    def __init__(self, cfg: DataConfig):
+        if cfg.source == "sinusoid":
+            self.sampler = SinusoidSampler(cfg.k_min, cfg.k_max, cfg.query_per_class, noise=cfg.noise)
+            self.split = {"train": None, "val": None, "test": None}  # tasks are generated, not loaded
+            return
+        self.sampler = FewShotSampler(cfg.n_way, cfg.k_min, cfg.k_max, cfg.query_per_class)
+        load = {"omniglot_npz": lambda s: D.load_omniglot_npz(cfg.path, s, cfg.split_file or None),
+                "omniglot_folders": lambda s: D.load_omniglot_folders(cfg.path, s, cfg.split_file or None, image_size=cfg.image_size),
+                "miniimagenet": lambda s: D.MiniImagenet(cfg.path, s, image_size=cfg.image_size)}[cfg.source]
+        self.split = {s: load(s) for s in ("train", "val", "test")}
+        if cfg.rotations:
+            self.split = {s: D.RotatedClasses(ds) for s, ds in self.split.items()}
+        for s, ds in self.split.items():
+            self.sampler.check(ds, what=f"{cfg.source} {s} split at {cfg.path}")
 
 
 def to_device(tree: Any, device) -> Any:
@@ -21,13 +90,16 @@ class MetaLearningTask:
         model: the :class:`MAMLModel` whose ``task_loss`` is the per-task query loss.
         sampler: a task sampler (``samplers.py``); ``train_data`` / ``val_data``: the datasets it draws from.
         val_tasks: number of fixed validation tasks; ``val_seed`` fixes them; ``chunk``: tasks per forward.
+        val_batches: the fixed validation batches themselves (then ``val_data``, ``val_tasks``,
+            ``val_seed`` and ``chunk`` are unused), so that selection and calibration share them.
     """
 
     def __init__(self, model: MAMLModel, sampler, train_data, val_data, val_tasks: int = 100, val_seed: int = 0,
-                 chunk: int = 20):
+                 chunk: int = 20, val_batches: list | None = None):
         self.model, self.sampler, self.train_data = model, sampler, train_data
-        g = torch.Generator().manual_seed(val_seed)
-        self._val = fixed_batches(sampler, val_data, val_tasks, g, chunk)
+        if val_batches is None:
+            val_batches = fixed_batches(sampler, val_data, val_tasks, torch.Generator().manual_seed(val_seed), chunk)
+        self._val = val_batches
 
     def loss_fn(self, output: dict, target: Tensor) -> Tensor:
         return self.model.task_loss(output, target)
@@ -50,50 +122,57 @@ def fixed_batches(sampler, data, num_tasks: int, generator: torch.Generator, chu
     return out
 
 
-@torch.no_grad()
-def per_step_metrics(model: MAMLModel, batches, device) -> dict[str, Tensor]:
-    """Every step's query metric and loss on fixed tasks (all T steps computed): (n_tasks, T) each."""
-    metric, loss, shots = [], [], []
-    for inputs, target in batches:
-        inputs, target = to_device(inputs, device), to_device(target, device)
-        r = unroll(model, inputs, keep_outputs=True)
-        metric.append(torch.stack([model.task_metric(o, target) for o in r.step_outputs], dim=1).cpu())
-        loss.append(torch.stack([model.task_loss(o, target) for o in r.step_outputs], dim=1).cpu())
-        shots.append(inputs["shots"].cpu())
-    return {"metric": torch.cat(metric), "loss": torch.cat(loss), "shots": torch.cat(shots)}
-
-
-@torch.no_grad()
-def early_exit_metrics(sm: StoppingModel, batches, device, threshold: float = 0.5, mode: str = "threshold",
-                       seed: int = 0) -> dict[str, Tensor]:
-    """The policy's early exit on fixed tasks: a stopped task gets no further inner updates.
-
-    ``mode``: stop when pi_t > ``threshold``, or (``"sample"``) with probability pi_t drawn from a
-    generator seeded with ``seed``. Without a policy every task runs all T steps (plain MAML)."""
-    metric, stops, shots, steps = [], [], [], 0
-    gen = torch.Generator().manual_seed(seed)
-    for inputs, target in batches:
-        inputs, target = to_device(inputs, device), to_device(target, device)
-        rule = FixedDepth() if sm.policy is None else PolicyRule(sm.policy, mode, threshold, generator=gen)
-        r = run_with_early_exit(sm.model, inputs, rule)
-        metric.append(sm.model.task_metric(r.outputs, target).cpu())
-        stops.append(r.stop_times.cpu())
-        shots.append(inputs["shots"].cpu())
-        steps += r.steps_computed
-    return {"metric": torch.cat(metric), "stop_times": torch.cat(stops), "shots": torch.cat(shots),
-            "steps_computed": steps}
-
-
+# ----------------------------------------------------------------------------- report pieces
 def summarize(values: Tensor, scale: float = 1.0) -> dict[str, float]:
+    """Mean and 95% half-width of per-task values (times ``scale``, e.g. 100 for accuracy in %)."""
     mean, half = confidence_interval(values * scale)
     return {"mean": mean, "ci95": half}
 
 
-def stop_steps_by_shot(shots: Tensor, stop_times: Tensor) -> dict[int, dict[str, float]]:
-    """Mean stop step (and count) per shot count K."""
+def stop_steps_by_shot(shots: Tensor, stop_times: Tensor) -> dict[int, dict[str, Any]]:
+    """Per shot count K: tasks, mean stop step and the histogram of stop steps 1..max."""
     out = {}
     for k in sorted(set(shots.tolist())):
-        s = stop_times[shots == k].float()
-        out[int(k)] = {"tasks": int(s.numel()), "mean_stop": float(s.mean()),
-                       "hist": torch.bincount(stop_times[shots == k], minlength=int(stop_times.max()) + 1)[1:].tolist()}
+        s = stop_times[shots == k]
+        out[int(k)] = {"tasks": int(s.numel()), "mean_stop": float(s.float().mean()),
+                       "hist": torch.bincount(s, minlength=int(stop_times.max()) + 1)[1:].tolist()}
     return out
+
+
+def results_markdown(result: dict, title: str, num_steps: int) -> str:
+    """``results.md``: the methods' table with 95% CIs, the rule and steps computed, stop step by shot."""
+    from ...utils.report import markdown_table
+
+    name = f"{result['metric']} ({'lower' if result['lower_is_better'] else 'higher'} is better)"
+    table = markdown_table(["method", name, "95% CI +-"], [[k, v["mean"], v["ci95"]] for k, v in result["rows"].items()],
+                           digits=3 if result["lower_is_better"] else 2)
+    shots = markdown_table(["K (shots)", "tasks", "mean stop step"],
+                           [[k, v["tasks"], v["mean_stop"]] for k, v in result["stop_by_shot"].items()])
+    steps = result["inner_steps_computed"]
+    return (f"# MAML vs MAML-stop: {title}\n\n{table}\n\nMAML-stop stops with the {result['rule']}. Inner steps "
+            f"computed: MAML {steps['maml']}, MAML-stop {steps['maml_stop']} (mean stop step "
+            f"{result['mean_stop_step']:.2f} of {num_steps}).\n\n## Stop step by shot count\n\n{shots}\n")
+
+
+def plot_stop_by_shot(by_shot: dict, num_steps: int, path: Path) -> Path:
+    """Stacked distribution of the stop step for each shot count, with the mean marked."""
+    from ...utils.report import new_figure, save_figure
+
+    fig, ax = new_figure(figsize=(6, 3.5))
+    ks = sorted(by_shot)
+    hists = torch.tensor([by_shot[k]["hist"] + [0] * (num_steps - len(by_shot[k]["hist"])) for k in ks], dtype=torch.float)
+    frac = hists / hists.sum(dim=1, keepdim=True).clamp_min(1)  # (K values, T)
+    bottom = torch.zeros(len(ks))
+    cmap = __import__("matplotlib").colormaps["viridis"]
+    for t in range(num_steps):
+        ax.bar(ks, frac[:, t], bottom=bottom, color=cmap(t / max(num_steps - 1, 1)), label=f"t={t + 1}")
+        bottom += frac[:, t]
+    ax2 = ax.twinx()
+    ax2.plot(ks, [by_shot[k]["mean_stop"] for k in ks], "k-o", label="mean stop step")
+    ax2.set_ylim(0.5, num_steps + 0.5)
+    ax2.set_ylabel("mean stop step")
+    ax.set_xlabel("shots K of the task")
+    ax.set_ylabel("fraction of tasks")
+    ax.set_title("MAML-stop: stop step by shot count")
+    ax.legend(fontsize=6, ncol=2, loc="upper left", bbox_to_anchor=(1.12, 1.0))
+    return save_figure(fig, path)
