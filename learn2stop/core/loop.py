@@ -49,6 +49,22 @@ def tree_leaves(tree: Any) -> list[Tensor]:
     return []
 
 
+def check_inputs(tree: Any, what: str = "inputs") -> None:
+    """Refuse what the loop cannot drive, in the user's terms: no tensor at all (NumPy arrays, lists of
+    numbers), or NaN / inf values (refused, with how many samples hold them)."""
+    leaves = tree_leaves(tree)
+    if not leaves:
+        kind = type(tree).__module__ + "." + type(tree).__name__ if not isinstance(tree, (int, float)) else type(tree).__name__
+        raise TypeError(f"{what} must be a torch tensor, or a dict/list/tuple of tensors, batch first; got {kind}"
+                        + (" (convert it with torch.as_tensor)" if hasattr(tree, "__array__") or isinstance(tree, (list, tuple)) else ""))
+    for leaf in leaves:
+        if leaf.is_floating_point() or leaf.is_complex():
+            bad = ~torch.isfinite(leaf)
+            if bad.any():
+                rows = int(bad.reshape(bad.shape[0], -1).any(1).sum()) if leaf.dim() > 0 else 1
+                raise ValueError(f"{what} hold NaN or inf values in {rows} sample(s); clean or drop them first")
+
+
 def batch_size(tree: Any) -> int:
     """The common first dimension of every tensor leaf; a clear error if they disagree."""
     sizes = {leaf.shape[0] for leaf in tree_leaves(tree) if leaf.dim() > 0}
@@ -175,16 +191,16 @@ def unroll(
         A :class:`Rollout` whose ``outputs`` are the outputs at step T.
     """
     check_stepwise(model)
+    check_inputs(inputs)
     T = model.num_steps
     B = batch_size(inputs)
     losses, logits, outs = [], [], []
     with torch.set_grad_enabled(model_grad and torch.is_grad_enabled()):
-        state = model.initial_state(inputs)
+        state = _first(model.initial_state, model, inputs)
     output = None
     for t in range(1, T + 1):
         with torch.set_grad_enabled(model_grad and torch.is_grad_enabled()):
-            state = model.step(t, state, inputs)
-            output = model.readout(t, state, inputs)
+            state, output = _step(model, t, state, inputs)
             if loss_fn is not None and target is not None:
                 loss_t = loss_fn(output, target)
                 if loss_t.shape != (B,):
@@ -223,9 +239,10 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
         A :class:`Rollout`; ``outputs`` is in input order.
     """
     check_stepwise(model)
+    check_inputs(inputs)
     T = model.num_steps
     B = batch_size(inputs)
-    state = model.initial_state(inputs)
+    state = _first(model.initial_state, model, inputs)
     device = tree_leaves(state)[0].device if tree_leaves(state) else tree_leaves(inputs)[0].device
     active = torch.arange(B, device=device)
     stop_times = torch.full((B,), T, dtype=torch.long, device=device)
@@ -233,8 +250,7 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
     done_index, done_outputs = [], []
     previous = None
     for t in range(1, T + 1):
-        state = model.step(t, state, inputs)
-        output = model.readout(t, state, inputs)
+        state, output = _step(model, t, state, inputs)
         if t == T:
             done_index.append(active)
             done_outputs.append(output)
@@ -268,6 +284,26 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
     outputs = tree_select(tree_cat(done_outputs), inverse)
     extras = {"stop_probs": probs} if probs is not None else {}
     return Rollout(outputs=outputs, stop_times=stop_times, num_steps=T, extras=extras)
+
+
+def _step(model: Any, t: int, state: Any, inputs: Any) -> tuple[Any, Any]:
+    """(state, output) of step t; the first step's shape or dtype errors are reported in the user's terms."""
+    if t > 1:
+        state = model.step(t, state, inputs)
+        return state, model.readout(t, state, inputs)
+    state = _first(lambda i: model.step(1, state, i), model, inputs)
+    return state, _first(lambda i: model.readout(1, state, i), model, inputs)
+
+
+def _first(fn: Callable, model: Any, inputs: Any) -> Any:
+    """Run the model's first call, turning a shape or dtype mismatch deep inside it into one clear error."""
+    try:
+        return fn(inputs)
+    except RuntimeError as e:
+        shapes = [tuple(x.shape) for x in tree_leaves(inputs)]
+        dtypes = sorted({str(x.dtype) for x in tree_leaves(inputs)})
+        raise ValueError(f"{type(model).__name__} cannot take inputs of shape {shapes[0] if len(shapes) == 1 else shapes} "
+                         f"and dtype {', '.join(dtypes)}: {str(e).splitlines()[0]}") from None
 
 
 #: logit used for steps a policy declares it never stops at (sigmoid(-50) ~ 2e-22).
@@ -306,8 +342,8 @@ class FixedDepth:
     """Stop every sample at step ``depth`` (default: T, i.e. never early)."""
 
     def __init__(self, depth: int | None = None):
-        if depth is not None and depth < 1:
-            raise ValueError(f"depth must be >= 1; got {depth}")
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
+            raise ValueError(f"depth must be an integer >= 1; got {depth!r}")
         self.depth = depth
 
     def __call__(self, view: StepView) -> Tensor:
@@ -332,8 +368,8 @@ class ToleranceRule:
     """
 
     def __init__(self, tol: float, key: str | None = None):
-        if tol <= 0:
-            raise ValueError(f"tol must be > 0; got {tol}")
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0 or tol == float("inf"):
+            raise ValueError(f"tol must be a finite number > 0; got {tol!r}")
         self.tol, self.key = tol, key
 
     def __call__(self, view: StepView) -> Tensor:
@@ -359,8 +395,8 @@ class PolicyRule:
                  generator: torch.Generator | None = None):
         if mode not in ("threshold", "sample"):
             raise ValueError(f"mode must be 'threshold' or 'sample'; got {mode!r}")
-        if not 0 < threshold < 1:
-            raise ValueError(f"threshold must be in (0, 1); got {threshold}")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < 1:
+            raise ValueError(f"threshold must be a number in (0, 1); got {threshold!r}")
         self.policy, self.mode, self.threshold, self.generator = policy, mode, threshold, generator
         self.last_probs: Tensor | None = None
 

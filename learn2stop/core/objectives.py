@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from ..utils.config import non_negative, one_of, positive, require
+from ..utils.config import check_fields, non_negative, non_negative_int, one_of, positive, positive_int, require
 from ..utils.registry import Registry
 from . import losses as L
 from .distributions import (exit_costs, log_cost_prior, log_depth_prior, log_oracle_distribution,
@@ -53,6 +53,7 @@ class MethodConfig:
     price: float = 0.0
 
     def __post_init__(self):
+        check_fields(self, "method.")
         positive(self.beta, "method.beta")
         one_of(self.prior, ("uniform", "geometric"), "method.prior")
         non_negative(self.prior_rate, "method.prior_rate")
@@ -100,18 +101,19 @@ class StageConfig:
     select: str = ""
 
     def __post_init__(self):
+        check_fields(self)  # types first: no bool for an int, no NaN or inf, lists where lists belong
         one_of(self.objective, VARIANTS, "objective")
         if self.variant == "":
             self.variant = VARIANTS[self.objective][0]
         one_of(self.variant, VARIANTS[self.objective], "variant")
-        require(isinstance(self.iterations, int) and self.iterations >= 0, "iterations", f"must be an integer >= 0; got {self.iterations!r}")
-        require(isinstance(self.batch_size, int) and self.batch_size >= 1, "batch_size", f"must be an integer >= 1; got {self.batch_size!r}")
+        non_negative_int(self.iterations, "iterations")
+        positive_int(self.batch_size, "batch_size")
         positive(self.lr, "lr")
         non_negative(self.weight_decay, "weight_decay")
         one_of(self.lr_schedule, ("constant", "cosine", "step"), "lr_schedule")
         require(all(0 < f < 1 for f in self.lr_decay_at), "lr_decay_at", f"fractions of the run in (0, 1); got {self.lr_decay_at}")
         require(0 <= self.lr_min_factor <= 1, "lr_min_factor", f"must be in [0, 1]; got {self.lr_min_factor}")
-        require(isinstance(self.warmup, int) and self.warmup >= 0, "warmup", f"must be an integer >= 0; got {self.warmup!r}")
+        non_negative_int(self.warmup, "warmup")
         non_negative(self.grad_clip, "grad_clip")
         if self.beta is not None:
             positive(self.beta, "beta")
@@ -121,8 +123,8 @@ class StageConfig:
             non_negative(self.prior_rate, "prior_rate")
         if self.price is not None:
             non_negative(self.price, "price")
-        require(isinstance(self.eval_every, int) and self.eval_every >= 1, "eval_every", f"must be an integer >= 1; got {self.eval_every!r}")
-        require(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 1, "checkpoint_every", f"must be an integer >= 1; got {self.checkpoint_every!r}")
+        positive_int(self.eval_every, "eval_every")
+        positive_int(self.checkpoint_every, "checkpoint_every")
         require(all(isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 for w in self.step_weights),
                 "step_weights", f"must be finite numbers >= 0; got {self.step_weights}")
         if self.select == "":

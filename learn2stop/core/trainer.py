@@ -15,6 +15,7 @@ written atomically every ``checkpoint_every`` iterations, so a kill loses at mos
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from pathlib import Path
 from typing import Any, Iterable, Protocol
@@ -93,7 +94,14 @@ def validation_scores(sm: StoppingModel, batches: Iterable[tuple[Any, Any]], los
             totals["depth"] += float(stop.float().sum())
         n += b
     sm.train(was_training)
-    out = {k: v / max(n, 1) for k, v in totals.items()}
+    if n == 0:
+        raise ValueError("the validation set is empty: validation_batches() yielded no samples, so no weights "
+                         "can be selected; give it data or set select: none")
+    out = {k: v / n for k, v in totals.items()}
+    bad = [k for k, v in out.items() if not math.isfinite(v)]
+    if bad:
+        raise FloatingPointError(f"validation scores {', '.join(bad)} are NaN or inf: the model's outputs or the "
+                                 f"loss are not finite on the validation set")
     if sm.policy is None:
         out.pop("policy"), out.pop("depth")
     return out
