@@ -1,407 +1,214 @@
-"""DnCNN-stop as a CLI application: config, presets and the train/evaluate/reproduce/denoise commands.
+"""DnCNN-stop on the core pipeline: the :class:`StoppingApp` and the train / evaluate / reproduce / denoise commands.
 
-    learn2stop denoise reproduce --preset quick              # ~10 min on 2 CPU cores, no data needed
-    learn2stop denoise reproduce --preset paper --data.train_dir ../shared/data/denoising/Train400 \
-        --data.test_dir ../shared/data/denoising/BSD68
-    learn2stop denoise denoise --run-dir runs/denoise-quick --denoise.input noisy.png
+    learn2stop denoise reproduce --preset quick --threads 1      # ~12 min on one CPU core, no data needed
+    learn2stop denoise frontier  --run-dir runs/denoise-quick --threads 1
+    learn2stop denoise calibrate --run-dir runs/denoise-quick --epsilon 0.1 --delta 0.1 --threads 1
+    learn2stop denoise denoise   --run-dir runs/denoise-quick --denoise.input noisy.png
+
+The core runs the stages, calibration and the frontier (:mod:`learn2stop.core.pipeline`); the config,
+presets and data are in :mod:`.task`, the report in :mod:`.metrics`. Python API (the CLI calls these)::
+
+    from learn2stop.tasks.denoise import preset, reproduce
+    results = reproduce(preset("quick"), "runs/denoise-quick")
 """
 from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
 
-from ...core import PolicyRule, StageConfig, StagedTrainer, StoppingModel, derive_seed, run_with_early_exit
-from ...utils.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from ...utils.config import ConfigError, non_negative, one_of, positive, require, to_dict
-from ...utils.report import markdown_table, new_figure, save_figure, write_json
-from ..base import RunContext
-from .bm3d_baseline import bm3d_available, bm3d_denoise
-from .data import ImageDataError, add_noise, list_images, load_folder, load_image, save_image, synthetic_images
-from .metrics import psnr
-from .models import DeepSupervisedDnCNN, HeadsOnly
+from ...core import FixedDepth, MethodConfig, Metric, StageConfig, StoppingModel, derive_seed
+from ...core import log_oracle_distribution, run_with_early_exit
+from ...core.evaluation import collect_trace, evaluate_rule
+from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage, run_pipeline
+from ...core.rules import ToleranceSignal
+from ...utils.config import ConfigError, to_dict
+from ...utils.report import write_json
+from ..base import RunContext, TaskSpec, register_task
+from .data import ImageDataError, add_noise, list_images, load_image, save_image
+from .metrics import bm3d_scores, comparison_examples, comparison_figure, ms_per_image, psnr, summarise, table6
+from .models import DeepSupervisedDnCNN
 from .policy import DenoisePolicy
-from .task import DenoiseTask
+from .task import PRESETS, DenoiseAppConfig, DenoiseTask, NoisyImage, eval_samples, load_training_images
+from .task import DataConfig, DenoiseCommandConfig, EvalConfig, ModelConfig  # noqa: F401  (the config's parts, re-exported)
 
-#: paper Table 6 (BSD68, PSNR dB) at sigma 35, 45, 55, 65, 75.
-PAPER_TABLE6 = {
-    "sigmas": (35, 45, 55, 65, 75),
-    "DnCNN-stop": (27.61, 26.59, 25.79, 23.56, 18.62),
-    "DnCNN": (27.60, 26.56, 25.71, 22.19, 17.90),
-    "BM3D": (26.81, 25.97, 25.21, 24.60, 24.08),
-}
-
-
-# ----------------------------------------------------------------------------- config
-@dataclass
-class DataConfig:
-    """Where the images come from. Empty ``train_dir``/``test_dir``: the embedded dead-leaves images."""
-
-    train_dir: str = ""
-    test_dir: str = ""
-    val_fraction: float = 0.2  # of the training images, held out for model and policy selection
-    synthetic_train: int = 60  # embedded default: images generated for training + validation
-    synthetic_test: int = 8
-    synthetic_size: int = 128
-    max_train_images: int = 0  # 0 = all (before the validation split)
-    max_test_images: int = 0  # 0 = all
-    patch_size: int = 50
-    stride: int = 10
-    scales: tuple[float, ...] = (1.0, 0.9, 0.8, 0.7)
-    sigma_max: float = 55.0  # training sigma ~ U[0, sigma_max] (paper) ...
-    sigma_set: tuple[float, ...] = ()  # ... or from this set (release: 35, 45, 55)
-    val_patches: int = 256
-
-    def __post_init__(self):
-        require(0 < self.val_fraction < 1, "data.val_fraction", f"must be in (0, 1); got {self.val_fraction}")
-        for name in ("synthetic_train", "synthetic_test", "synthetic_size", "patch_size", "stride", "val_patches"):
-            require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"data.{name}",
-                    f"must be an integer >= 1; got {getattr(self, name)!r}")
-        require(self.synthetic_train >= 2, "data.synthetic_train", "needs >= 2 images (train and validation)")
-        for name in ("max_train_images", "max_test_images"):
-            require(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, f"data.{name}",
-                    f"must be an integer >= 0; got {getattr(self, name)!r}")
-        require(len(self.scales) > 0 and all(0 < s <= 4 for s in self.scales), "data.scales",
-                f"must be resize factors in (0, 4]; got {self.scales}")
-        non_negative(self.sigma_max, "data.sigma_max")
-        require(all(s >= 0 for s in self.sigma_set), "data.sigma_set", f"noise levels must be >= 0; got {self.sigma_set}")
-        require(self.synthetic_size >= self.patch_size or bool(self.train_dir), "data.synthetic_size",
-                f"must be >= data.patch_size ({self.patch_size}); got {self.synthetic_size}")
-
-
-@dataclass
-class ModelConfig:
-    depth: int = 20
-    channels: int = 64
-    outputs: tuple[int, ...] = ()  # blocks followed by a head; () = every block 1..depth-2 (paper: 18 heads)
-    policy_channels: int = 64
-
-    def __post_init__(self):
-        require(isinstance(self.depth, int) and self.depth >= 3, "model.depth", f"must be an integer >= 3; got {self.depth!r}")
-        positive(self.channels, "model.channels")
-        positive(self.policy_channels, "model.policy_channels")
-        require(all(1 <= p <= self.depth - 2 for p in self.outputs) and list(self.outputs) == sorted(set(self.outputs)),
-                "model.outputs", f"must be increasing block indices in 1..{self.depth - 2}; got {self.outputs}")
-
-    @property
-    def positions(self) -> tuple[int, ...]:
-        return self.outputs or tuple(range(1, self.depth - 1))
-
-
-@dataclass
-class EvalConfig:
-    sigmas: tuple[float, ...] = (35.0, 45.0, 55.0, 65.0, 75.0)
-    threshold: float = 0.5  # stop when pi_t > threshold
-    bm3d: bool = True  # needs the optional 'bm3d' package; skipped (and said so) when absent
-    bm3d_max_images: int = 0  # 0 = every test image
-    diagnostics: bool = True  # also the stop model's last and best (oracle) output
-    figure_sigmas: tuple[float, ...] = (55.0, 75.0)
-    crop: int = 96
-    seed: int = 2020
-
-    def __post_init__(self):
-        require(len(self.sigmas) > 0 and all(s >= 0 for s in self.sigmas), "eval.sigmas",
-                f"noise levels must be >= 0; got {self.sigmas}")
-        require(all(s >= 0 for s in self.figure_sigmas), "eval.figure_sigmas", f"must be >= 0; got {self.figure_sigmas}")
-        require(0 < self.threshold < 1, "eval.threshold", f"must be in (0, 1); got {self.threshold}")
-        require(self.bm3d_max_images >= 0, "eval.bm3d_max_images", f"must be >= 0; got {self.bm3d_max_images}")
-        positive(self.crop, "eval.crop")
-
-
-@dataclass
-class DenoiseCommandConfig:
-    """The ``denoise`` command: an image file or folder in, denoised PNGs and depths out."""
-
-    input: str = ""
-    output: str = ""  # default <run-dir>/denoised
-    model: str = "stop"  # stop (DnCNN-stop, early exit) or dncnn
-    add_sigma: float = 0.0  # > 0: add seeded Gaussian noise first (a demo on clean images)
-
-    def __post_init__(self):
-        one_of(self.model, ("stop", "dncnn"), "denoise.model")
-        non_negative(self.add_sigma, "denoise.add_sigma")
-
-
-@dataclass
-class DenoiseAppConfig:
-    """DnCNN-stop (paper Sec. 5.3, App. B.3). Defaults: the paper's settings (see ``paper`` preset)."""
-
-    seed: int = 0
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    # DnCNN pre-training: 50 epochs of ~403k patches at batch 256 = 78.7k iterations, lr 1e-3, /10 at half
-    dncnn: StageConfig = field(default_factory=lambda: StageConfig(
-        objective="deep_supervision", iterations=78700, batch_size=256, lr=1e-3, lr_schedule="step",
-        lr_decay_at=(0.5,), eval_every=1000, checkpoint_every=1000))
-    # fresh heads on the frozen pre-trained backbone (ours: without it the oracle never picks a random head)
-    heads: StageConfig = field(default_factory=lambda: StageConfig(
-        objective="deep_supervision", iterations=5000, batch_size=256, lr=1e-3, select="none",
-        eval_every=1000, checkpoint_every=1000))
-    # Stage I fine-tuning: 50 epochs, lr 1e-4, oracle weights softmin(SSE / 0.1)
-    stage1: StageConfig = field(default_factory=lambda: StageConfig(
-        objective="stage1", variant="marginal", beta=0.1, iterations=78700, batch_size=256, lr=1e-4,
-        eval_every=1000, checkpoint_every=1000))
-    # Stage II policy: MAP target (release), Adam lr 1e-3
-    stage2: StageConfig = field(default_factory=lambda: StageConfig(
-        objective="stage2", variant="map", beta=0.1, iterations=20000, batch_size=256, lr=1e-3,
-        eval_every=1000, checkpoint_every=1000))
-    # optional Stage III (0 iterations = skipped)
-    stage3: StageConfig = field(default_factory=lambda: StageConfig(
-        objective="stage3", beta=0.1, iterations=0, batch_size=64, lr=1e-5, eval_every=500, checkpoint_every=500))
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    denoise: DenoiseCommandConfig = field(default_factory=DenoiseCommandConfig)
-
-    def __post_init__(self):
-        require(self.dncnn.objective == "deep_supervision", "dncnn.objective", "must be deep_supervision (the baseline)")
-        require(self.heads.objective == "deep_supervision", "heads.objective", "must be deep_supervision")
-        require(self.stage1.objective in ("stage1", "deep_supervision"), "stage1.objective",
-                f"must be stage1 (or deep_supervision for an ablation); got {self.stage1.objective!r}")
-        require(self.stage2.objective == "stage2", "stage2.objective", f"must be stage2; got {self.stage2.objective!r}")
-        require(self.stage3.objective in ("stage3", "aevb"), "stage3.objective", f"must be stage3 or aevb; got {self.stage3.objective!r}")
-
-
-def _quick_stage(**kw) -> dict:
-    return {"eval_every": 100, "checkpoint_every": 100, "batch_size": 32, **kw}
-
-
-PRESETS: dict[str, dict] = {
-    # ~10 minutes on 2 CPU cores: embedded dead-leaves images, a 10-layer 32-channel DnCNN (8 outputs)
-    "quick": {
-        "data": {"patch_size": 40, "val_patches": 96, "synthetic_train": 60, "synthetic_test": 8, "synthetic_size": 128},
-        "model": {"depth": 10, "channels": 32, "policy_channels": 16},
-        "dncnn": _quick_stage(iterations=1000, lr=2e-3, lr_schedule="step", lr_decay_at=[0.6]),
-        "heads": _quick_stage(iterations=200, lr=2e-3, select="none"),
-        "stage1": _quick_stage(iterations=300, lr=2e-4),
-        "stage2": _quick_stage(iterations=300, lr=2e-3),
-        "eval": {"crop": 64},
-    },
-    # the paper's settings (the dataclass defaults) on Train400 / BSD68
-    "paper": {
-        "data": {"train_dir": "../shared/data/denoising/Train400", "test_dir": "../shared/data/denoising/BSD68"},
-    },
-}
-
-
-# ----------------------------------------------------------------------------- building blocks
-def load_training_images(cfg: DenoiseAppConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """(train images, validation images): a seeded, disjoint split of the training folder (or dead leaves)."""
-    d = cfg.data
-    if d.train_dir:
-        images, _ = load_folder(d.train_dir, min_size=d.patch_size)
-        images = images[:d.max_train_images] if d.max_train_images else images
-    else:
-        images = synthetic_images(d.synthetic_train, d.synthetic_size, seed=derive_seed(cfg.seed, "dead-leaves-train") % 2**32)
-    if len(images) < 2:
-        raise ImageDataError(f"need >= 2 training images (training and validation split); found {len(images)}")
-    perm = np.random.default_rng(cfg.seed).permutation(len(images))
-    n_val = min(max(1, int(round(d.val_fraction * len(images)))), len(images) - 1)
-    return [images[i] for i in perm[n_val:]], [images[i] for i in perm[:n_val]]
-
-
-def load_test_images(cfg: DenoiseAppConfig) -> tuple[list[np.ndarray], list[str]]:
-    """(test images, file names): the test folder, or dead-leaves images from another seed."""
-    d = cfg.data
-    if d.test_dir:
-        images, names = load_folder(d.test_dir)
-    else:
-        images = synthetic_images(d.synthetic_test, d.synthetic_size, seed=derive_seed(cfg.seed, "dead-leaves-test") % 2**32)
-        names = [f"dead_leaves_{i:03d}.png" for i in range(len(images))]
-    if d.max_test_images:
-        images, names = images[:d.max_test_images], names[:d.max_test_images]
-    return images, names
-
-
-def build_models(cfg: DenoiseAppConfig, device=None) -> tuple[DeepSupervisedDnCNN, StoppingModel]:
-    """Plain DnCNN (T = 1) and the deep-supervised DnCNN with its policy, on ``device``."""
-    m = cfg.model
-    torch.manual_seed(derive_seed(cfg.seed, "init") % 2**63)
-    dncnn = DeepSupervisedDnCNN(m.depth, m.channels, output_positions=())
-    net = DeepSupervisedDnCNN(m.depth, m.channels, output_positions=m.positions)
-    policy = DenoisePolicy(net.num_steps, m.policy_channels)
-    return dncnn.to(device), StoppingModel(net, policy).to(device)
-
-
-def train(cfg: DenoiseAppConfig, run: RunContext) -> dict:
-    """DnCNN baseline, then heads warm-up, Stage I and Stage II (and optional Stage III) for DnCNN-stop."""
-    train_imgs, val_imgs = load_training_images(cfg)
-    d = cfg.data
-    task = DenoiseTask(train_imgs, val_imgs, patch_size=d.patch_size, stride=d.stride, scales=d.scales,
-                       sigma_max=d.sigma_max, sigma_set=d.sigma_set, val_patches=d.val_patches, seed=cfg.seed)
-    run.log(f"denoise: {len(train_imgs)} training / {len(val_imgs)} validation images, "
-            f"{len(task.bank)} distinct {d.patch_size}x{d.patch_size} patches (x8 symmetries)")
-    dncnn, sm = build_models(cfg, run.device)
-    kw = dict(seed=cfg.seed, ctx=run.ctx, progress=run.progress, resume=run.resume)
-    summaries = [StagedTrainer(StoppingModel(dncnn), task, run.run_dir, **kw).fit("dncnn", cfg.dncnn)]
-    sm.model.load_state_dict(dncnn.backbone_state_dict(), strict=False)  # heads stay fresh
-    if cfg.heads.iterations > 0:
-        summaries.append(StagedTrainer(StoppingModel(HeadsOnly(sm.model)), task, run.run_dir, **kw).fit("heads", cfg.heads))
-    trainer = StagedTrainer(sm, task, run.run_dir, **kw)
-    summaries.append(trainer.fit("stage1", cfg.stage1))
-    summaries.append(trainer.fit("stage2", cfg.stage2))
-    if cfg.stage3.iterations > 0:
-        summaries.append(trainer.fit("stage3", cfg.stage3))
-    if run.ctx.is_main:
-        save_checkpoint({"config": to_dict(cfg.model), "dncnn": dncnn.state_dict(), "stop": sm.state_dict()},
-                        run.run_dir / "models.pt")
-        write_json(summaries, run.run_dir / "train_summary.json")
-    for s in summaries:
-        run.log(f"  {s['stage']}: {s['iterations']} iterations, best validation {s['select']} = "
-                f"{s['best_score']:.4g}, {s['seconds']:.0f} s")
-    return {"stages": summaries}
-
-
-def load_models(cfg: DenoiseAppConfig, run_dir: Path, device=None) -> tuple[DeepSupervisedDnCNN, StoppingModel]:
-    path = Path(run_dir) / "models.pt"
-    if not path.is_file():
-        raise CheckpointError(f"no trained models in {run_dir} (expected {path}); run the 'train' command first")
-    ck = load_checkpoint(path, map_location=device or "cpu")
-    saved = ck.get("config", {})
-    current = to_dict(cfg.model)
-    if saved != current:
-        raise ConfigError(f"model: {path} was trained with model config {saved}, but the config asks for {current}; "
-                          f"pass the same --preset/--model.* as for training")
-    dncnn, sm = build_models(cfg, device)
-    try:
-        dncnn.load_state_dict(ck["dncnn"])
-        sm.load_state_dict(ck["stop"])
-    except (KeyError, RuntimeError) as e:
-        raise CheckpointError(f"{path} does not fit this model: {e}") from None
-    return dncnn.eval(), sm.eval()
-
-
+# ----------------------------------------------------------------------------- the app
 @torch.no_grad()
-def denoise_with_stop(sm: StoppingModel, noisy: torch.Tensor, threshold: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
-    """Early-exit denoising: (denoised (B, 1, H, W), stop output index t (B,)); stopped images skip later layers."""
-    r = run_with_early_exit(sm.model, noisy, PolicyRule(sm.policy, threshold=threshold))
-    return r.outputs, r.stop_times
+def choose_min_step(sm: StoppingModel, task: DenoiseTask, method: MethodConfig, min_mass: float, device) -> int:
+    """First exit whose mean validation oracle mass (with the method's prior and price) exceeds ``min_mass``.
+
+    Earlier exits are (almost) never the oracle's choice, so the policy is not asked there at all.
+    """
+    if min_mass <= 0:
+        return 1
+    sm.eval()
+    prior = StageConfig(objective="stage2").inherit(method).model_log_prior(sm.model, device)
+    mass, n = torch.zeros(sm.num_steps, device=device), 0
+    for noisy, clean in task.validation_batches(device):
+        r = sm.unroll(noisy, clean, task.loss_fn, use_policy=False)
+        mass += log_oracle_distribution(r.losses, method.beta, prior).exp().sum(0)
+        n += noisy.shape[0]
+    above = (mass / n > min_mass).nonzero()
+    return min(int(above[0]) + 1 if above.numel() else sm.num_steps, sm.num_steps - 1)
 
 
-def _timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
+class DenoiseApp(StoppingApp):
+    """DnCNN-stop: DnCNN baseline, exits warmed up on its frozen backbone, Stage I, II, optional III."""
+
+    stop_stage = "stage2"
+    baseline_stage = "heads"  # the frontier's baseline: DnCNN with exits on its frozen backbone
+    budget_by = "cost"  # budgets in multiply-accumulates (the model's exit_costs), not in exits
+    speed_batch = 8  # 8 test images at once (larger CPU batches of 128x128 images thrash the allocator)
+    speed_samples = 24  # the first 24 test samples (image-major: every sigma of the first images)
+
+    def __init__(self):
+        self._cache: dict[str, Any] = {}
+
+    def _cached(self, key: str, make):
+        if key not in self._cache:
+            if len(self._cache) > 8:
+                self._cache.clear()
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def task(self, cfg: DenoiseAppConfig) -> DenoiseTask:
+        d = cfg.data
+
+        def make():
+            train_imgs, val_imgs = load_training_images(cfg)
+            return DenoiseTask(train_imgs, val_imgs, patch_size=d.patch_size, stride=d.stride, scales=d.scales,
+                               sigma_max=d.sigma_max, sigma_set=d.sigma_set, val_patches=d.val_patches, seed=cfg.seed)
+        return self._cached(f"task {to_dict(d)} {cfg.seed}", make)
+
+    def eval_set(self, cfg: DenoiseAppConfig, split: str) -> list[NoisyImage]:
+        """The evaluation samples of a split (see :func:`.task.eval_samples`), cached."""
+        return self._cached(f"{split} {to_dict(cfg.data)} {to_dict(cfg.eval)} {cfg.seed}", lambda: eval_samples(cfg, split))
+
+    def build_models(self, cfg: DenoiseAppConfig, device) -> dict[str, StoppingModel]:
+        m = cfg.model
+        with torch.random.fork_rng(devices=[]):  # seeded initialisation without touching the caller's RNG
+            torch.manual_seed(derive_seed(cfg.seed, "init") % 2**63)
+            net = lambda positions, **kw: DeepSupervisedDnCNN(m.depth, m.channels, positions, head_kernel=m.head_kernel, **kw)
+            policy = DenoisePolicy(len(m.positions) + 1, m.policy_hidden)
+            models = {"baseline": StoppingModel(net(())),
+                      "heads": StoppingModel(net(m.positions, frozen_backbone=True)),
+                      "stop": StoppingModel(net(m.positions, policy_macs=policy.macs_per_pixel()), policy)}
+        return {k: v.to(device) for k, v in models.items()}
+
+    def training_task(self, cfg, key, sm):
+        return self.task(cfg)
+
+    def stages(self, cfg: DenoiseAppConfig) -> list[Stage]:
+        def copy_backbone(key):
+            def hook(models, app, cfg, run):
+                models[key].model.load_backbone(models["baseline"].model)
+            return hook
+
+        def min_step(models, app, cfg, run):
+            sm = models["stop"]
+            sm.policy.min_step = choose_min_step(sm, self.task(cfg), app.method(cfg), cfg.model.policy_min_mass, run.device)
+            if sm.policy.min_step > 1:
+                run.log(f"      policy asked from exit {sm.policy.min_step} (oracle mass below "
+                        f"{cfg.model.policy_min_mass} before it)")
+
+        heads = cfg.heads.iterations > 0
+        stages = [Stage("baseline", "baseline", cfg.baseline, describe="DnCNN, last-layer loss"),
+                  Stage("heads", "heads", cfg.heads, before=copy_backbone("heads"),
+                        describe="exits on the frozen DnCNN, uniform deep supervision"),
+                  Stage("stage1", "stop", cfg.stage1, init_from="heads" if heads else None,
+                        before=None if heads else copy_backbone("stop"), describe="DnCNN-stop Stage I (price on MACs)"),
+                  Stage("stage2", "stop", cfg.stage2, before=min_step, describe="DnCNN-stop Stage II (policy)")]
+        if cfg.stage3.iterations > 0:
+            stages.append(Stage("stage3", "stop", cfg.stage3, describe="Stage III (beta-VAE fine-tuning of both)"))
+        return stages
+
+    def eval_batches(self, cfg: DenoiseAppConfig, split: str, device):
+        """One image per batch: test images may differ in size."""
+        return [(s.noisy.to(device), s.clean.to(device)) for s in self.eval_set(cfg, split)]
+
+    def metric(self, cfg) -> Metric:
+        return Metric("PSNR (dB)", psnr, lower_is_better=False)
+
+    def classical_signals(self, cfg):
+        return {"tolerance": ToleranceSignal}
+
+    def cost_unit(self, cfg, sm):
+        return "macs_per_pixel", float(sm.model.exit_costs[-1])
 
 
-# ----------------------------------------------------------------------------- evaluation
-def evaluate(cfg: DenoiseAppConfig, run: RunContext) -> dict:
-    """PSNR per image and sigma for DnCNN, DnCNN-stop and BM3D; Table 6, per-image JSON and a figure."""
-    dncnn, sm = load_models(cfg, run.run_dir, run.device)
-    test_imgs, names = load_test_images(cfg)
+APP = DenoiseApp()
+
+
+def _as_run(run: RunContext | str | Path) -> RunContext:
+    return run if isinstance(run, RunContext) else RunContext(Path(run))
+
+
+# ----------------------------------------------------------------------------- commands
+def train(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
+    """DnCNN baseline, exits warm-up, Stage I and Stage II (and optional Stage III) for DnCNN-stop; resumable."""
+    run = _as_run(run)
+    run.prepare(cfg)
+    run.log(f"denoise: {len(APP.task(cfg).bank)} distinct {cfg.data.patch_size}x{cfg.data.patch_size} training "
+            f"patches (x8 symmetries); {len(APP.eval_set(cfg, 'val')) // len(cfg.eval.sigmas)} validation images")
+    return run_pipeline(APP, cfg, run)
+
+
+def evaluate(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
+    """PSNR per image and sigma of DnCNN, DnCNN-stop (real early exit, deployed rule) and BM3D: Table 6."""
+    run = _as_run(run)
+    dev, metric, items = run.device, APP.metric(cfg), APP.eval_set(cfg, "test")
+    batches = APP.eval_batches(cfg, "test", dev)
+    sm = load_stage(APP, cfg, run.run_dir, APP.stop_stage, dev)
+    rule, desc = deployed_rule(APP, cfg, run.run_dir, sm, generator=torch.Generator().manual_seed(cfg.seed))
+    models = {"DnCNN": (load_stage(APP, cfg, run.run_dir, "baseline", dev).model, FixedDepth),
+              "DnCNN-stop": (sm.model, lambda: rule)}
+    if cfg.stage3.iterations > 0:
+        s3 = load_stage(APP, cfg, run.run_dir, "stage3", dev)
+        models["DnCNN-stop (III)"] = (s3.model, lambda: deployed_rule(APP, cfg, None, s3)[0])
+    results = {name: evaluate_rule(model, batches, factory, metric, dev) for name, (model, factory) in models.items()}
+    trace = collect_trace(sm.model, batches, metric, dev)  # every exit of every image: the last and the best
+    timed = {**models, "DnCNN-stop full depth": (sm.model, FixedDepth)}
+    timing = {b: ms_per_image(timed, [x for x, _ in batches], b, cfg.eval.timing_rounds) for b in (1, APP.speed_batch)}
+    bm3d, note = bm3d_scores(items, cfg.eval.bm3d, cfg.eval.bm3d_max_images, run.log)
     net: DeepSupervisedDnCNN = sm.model
-    use_bm3d = cfg.eval.bm3d and bm3d_available()
-    if cfg.eval.bm3d and not use_bm3d:
-        run.log("denoise: the optional 'bm3d' package is not installed (pip install bm3d): BM3D column skipped")
-    n_bm3d = len(test_imgs) if cfg.eval.bm3d_max_images == 0 else min(cfg.eval.bm3d_max_images, len(test_imgs))
-    per_image, summary, examples = [], [], {}
-    for sigma in cfg.eval.sigmas:
-        rows = []
-        for i, (img, name) in enumerate(zip(test_imgs, names)):
-            clean = torch.from_numpy(img)[None, None].to(run.device)
-            g = torch.Generator().manual_seed(derive_seed(cfg.eval.seed, "test-noise", float(sigma), i))
-            noisy = add_noise(clean.cpu(), float(sigma), g).to(run.device)  # a different noise for every image
-            with torch.no_grad():
-                out_d, sec_d = _timed(lambda: dncnn(noisy))
-                (out_s, t_s), sec_s = _timed(lambda: denoise_with_stop(sm, noisy, cfg.eval.threshold))
-            t = int(t_s[0])
-            row = {"image": name, "sigma": float(sigma), "psnr_noisy": float(psnr(noisy, clean)),
-                   "psnr_dncnn": float(psnr(out_d, clean)), "psnr_stop": float(psnr(out_s, clean)),
-                   "stop_output": t, "stop_layers": net.layers_at(t), "sec_dncnn": sec_d, "sec_stop": sec_s}
-            if cfg.eval.diagnostics:
-                with torch.no_grad():
-                    r = sm.unroll(noisy, use_policy=False, keep_outputs=True)
-                scores = [float(psnr(o, clean)) for o in r.step_outputs]
-                row.update(psnr_stop_last=scores[-1], psnr_stop_oracle=max(scores),
-                           oracle_output=int(np.argmax(scores)) + 1)
-            out_b = None
-            if use_bm3d and i < n_bm3d:
-                out_b, sec_b = _timed(lambda: bm3d_denoise(noisy[0, 0].cpu().numpy(), float(sigma)))
-                row.update(psnr_bm3d=float(psnr(torch.from_numpy(out_b)[None, None], clean.cpu())), sec_bm3d=sec_b)
-            rows.append(row)
-            if i == 0 and sigma in cfg.eval.figure_sigmas:
-                examples[float(sigma)] = {"clean": img, "noisy": noisy[0, 0].cpu().numpy(), "bm3d": out_b,
-                                          "dncnn": out_d[0, 0].cpu().numpy(), "stop": out_s[0, 0].cpu().numpy(),
-                                          "depth": f"{net.layers_at(t)}/{net.depth} layers"}
-        per_image.extend(rows)
-        mean = lambda k: float(np.mean([r[k] for r in rows if k in r])) if any(k in r for r in rows) else None
-        summary.append({"sigma": float(sigma), "DnCNN-stop": mean("psnr_stop"), "DnCNN": mean("psnr_dncnn"),
-                        "BM3D": mean("psnr_bm3d"), "depth_layers": mean("stop_layers"), "depth_output": mean("stop_output"),
-                        "stop_last": mean("psnr_stop_last"), "stop_oracle": mean("psnr_stop_oracle"),
-                        "noisy": mean("psnr_noisy"), "sec_dncnn": mean("sec_dncnn"), "sec_stop": mean("sec_stop"),
-                        "sec_bm3d": mean("sec_bm3d")})
-        s = summary[-1]
-        run.log(f"  sigma {sigma:g}: DnCNN-stop {s['DnCNN-stop']:.2f} dB (depth {s['depth_layers']:.1f} of "
-                f"{net.depth} layers), DnCNN {s['DnCNN']:.2f} dB"
-                + (f", BM3D {s['BM3D']:.2f} dB" if s["BM3D"] is not None else ""))
-    bm3d_note = ("BM3D: noise level given" + ("" if n_bm3d == len(test_imgs) else f", first {n_bm3d} images only")
-                 if use_bm3d else "BM3D: not run (package 'bm3d' not installed)" if cfg.eval.bm3d else "BM3D: off")
-    table = table6(summary, net.depth, bm3d_note, paper=bool(cfg.data.test_dir))
+    per_image = []
+    for i, s in enumerate(items):
+        t = int(results["DnCNN-stop"]["stop_times"][i])
+        row = {"image": s.name, "sigma": s.sigma, "psnr_noisy": float(psnr(s.noisy, s.clean)),
+               **{f"psnr {k}": float(r["values"][i]) for k, r in results.items()},
+               "stop_output": t, "stop_layers": net.layers_at(t), "stop_cost": float(trace.costs[t - 1]),
+               "psnr_stop_last": float(trace.metric[i, -1]), "psnr_stop_oracle": float(trace.metric[i].max()),
+               **bm3d.get(i, {})}
+        per_image.append(row)
+    summary = summarise(per_image, cfg.eval.sigmas)
+    table = table6(summary, net.depth, note, timing, paper=bool(cfg.data.test_dir))
+    out = {"rule": desc, "summary": summary, "ms_per_image": timing, "per_image": per_image, "bm3d": note, "table6": table}
     if run.ctx.is_main:
-        write_json({"summary": summary, "per_image": per_image, "bm3d": bm3d_note}, run.run_dir / "results.json")
+        write_json({k: v for k, v in out.items() if k != "table6"}, run.run_dir / "results.json")
         (run.run_dir / "table6.md").write_text(table + "\n")
+        examples = comparison_examples(items, cfg.eval.figure_sigmas, models, with_bm3d=bool(bm3d))
         if examples:
             comparison_figure(examples, cfg.eval.crop, run.run_dir / "denoise_crops.png")
-    run.log(table)
-    return {"summary": summary}
-
-
-def table6(summary: list[dict], depth: int, bm3d_note: str, paper: bool = True) -> str:
-    """Paper-Table-6-style markdown: PSNR per sigma for each method, depth used, the paper's numbers beside."""
-    headers = ["sigma", "DnCNN-stop", "DnCNN", "BM3D", "stop depth (layers)", "stop: last / oracle",
-               "ms/img stop", "ms/img DnCNN", "ms/img BM3D"]
-    if paper:
-        headers += ["paper DnCNN-stop", "paper DnCNN", "paper BM3D"]
-    rows = []
-    for s in summary:
-        diag = "-" if s["stop_last"] is None else f"{s['stop_last']:.2f} / {s['stop_oracle']:.2f}"
-        row = [f"{s['sigma']:g}", s["DnCNN-stop"], s["DnCNN"], s["BM3D"], f"{s['depth_layers']:.1f} / {depth}", diag,
-               1000 * s["sec_stop"], 1000 * s["sec_dncnn"], None if s["sec_bm3d"] is None else 1000 * s["sec_bm3d"]]
-        if paper:
-            k = PAPER_TABLE6["sigmas"].index(int(s["sigma"])) if int(s["sigma"]) in PAPER_TABLE6["sigmas"] else None
-            row += [None if k is None else PAPER_TABLE6[m][k] for m in ("DnCNN-stop", "DnCNN", "BM3D")]
-        rows.append(row)
-    return (f"PSNR (dB, data range 1, clamped), mean over test images; {bm3d_note}\n\n"
-            + markdown_table(headers, rows, digits=2))
-
-
-def comparison_figure(examples: dict, crop: int, path: Path) -> Path:
-    """Crops of ground truth, noisy, BM3D, DnCNN and DnCNN-stop, one row per sigma."""
-    cols = [("clean", "ground truth"), ("noisy", "noisy"), ("bm3d", "BM3D"), ("dncnn", "DnCNN"), ("stop", "DnCNN-stop")]
-    fig, axes = new_figure(len(examples), len(cols), figsize=(2.4 * len(cols), 2.5 * len(examples)), squeeze=False)
-    for r, (sigma, ex) in enumerate(sorted(examples.items())):
-        h, w = ex["clean"].shape
-        c = min(crop, h, w)
-        y0, x0 = (h - c) // 2, (w - c) // 2
-        for k, (key, title) in enumerate(cols):
-            ax = axes[r][k]
-            ax.axis("off")
-            img = ex[key]
-            if img is None:
-                ax.set_title(f"{title}\n(not run)", fontsize=8)
-                continue
-            crop_img = np.clip(img[y0:y0 + c, x0:x0 + c], 0, 1)
-            ax.imshow(crop_img, cmap="gray", vmin=0, vmax=1)
-            label = f"{title} sigma={sigma:g}" if key == "noisy" else title
-            if key != "clean":
-                p = 10 * np.log10(1.0 / max(float(np.mean((np.clip(img, 0, 1) - ex["clean"]) ** 2)), 1e-12))
-                label += f"\n{p:.2f} dB" + (f", {ex['depth']}" if key == "stop" else "")
-            ax.set_title(label, fontsize=8)
-    return save_figure(fig, path)
-
-
-def reproduce(cfg: DenoiseAppConfig, run: RunContext) -> dict:
-    """Train everything, then evaluate (Table 6 and the figure)."""
-    out = train(cfg, run)
-    out.update(evaluate(cfg, run))
+        run.log(f"\nDnCNN-stop stops with the {desc}\n\nTable 6: PSNR (dB) on the test images\n" + table)
     return out
 
 
-# ----------------------------------------------------------------------------- denoise files
-def denoise_files(cfg: DenoiseAppConfig, run: RunContext) -> dict:
-    """Denoise an image file or every image of a folder; write PNGs and the depth used per image."""
+def reproduce(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
+    """Train everything (resuming what exists), then evaluate (Table 6 and the figure)."""
+    run = _as_run(run)
+    t0 = time.perf_counter()
+    out = {"training": train(cfg, run)}
+    out.update(evaluate(cfg, run))
+    run.log(f"total wall-clock: {time.perf_counter() - t0:.0f}s")
+    return out
+
+
+def denoise_files(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
+    """Denoise an image file or every image of a folder with the deployed rule; write PNGs and depths."""
+    run = _as_run(run)
     c = cfg.denoise
     if not c.input:
         raise ConfigError("denoise.input: give an image file or folder (--denoise.input PATH)")
@@ -410,9 +217,10 @@ def denoise_files(cfg: DenoiseAppConfig, run: RunContext) -> dict:
         raise ImageDataError(f"input not found: {src}")
     files = list_images(src) if src.is_dir() else [src]
     out_dir = Path(c.output) if c.output else run.run_dir / "denoised"
-    dncnn, sm = load_models(cfg, run.run_dir, run.device)
-    net = sm.model
-    records = []
+    sm = load_stage(APP, cfg, run.run_dir, APP.stop_stage if c.model == "stop" else "baseline", run.device)
+    rule, desc = deployed_rule(APP, cfg, run.run_dir, sm) if c.model == "stop" else (FixedDepth(), "full depth")
+    run.log(f"denoise: {c.model} model, {desc}")
+    net, records = sm.model, []
     for k, path in enumerate(files):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -423,26 +231,27 @@ def denoise_files(cfg: DenoiseAppConfig, run: RunContext) -> dict:
         if c.add_sigma > 0:
             x = add_noise(x, c.add_sigma, torch.Generator().manual_seed(derive_seed(cfg.seed, "denoise", k)))
             save_image(x[0, 0], out_dir / f"{path.stem}_noisy.png")
-        x = x.to(run.device)
         t0 = time.perf_counter()
-        if c.model == "stop":
-            out, t = denoise_with_stop(sm, x, cfg.eval.threshold)
-            t = int(t[0])
-            layers = net.layers_at(t)
-        else:
-            with torch.no_grad():
-                out = dncnn(x)
-            t, layers = 1, dncnn.depth
-        sec = time.perf_counter() - t0
+        with torch.no_grad():
+            r = run_with_early_exit(net, x.to(run.device), rule)
+        sec, t = time.perf_counter() - t0, int(r.stop_times[0])
         dst = out_dir / f"{path.stem}_denoised.png"
-        save_image(out[0, 0].clamp(0, 1), dst)
-        rec = {"input": str(path), "output": str(dst), "model": c.model, "stop_output": t, "layers": layers,
-               "of_layers": net.depth, "seconds": round(sec, 4)}
-        records.append(rec)
-        run.log(f"  {path.name} -> {dst}  ({layers} of {net.depth} layers, {sec * 1000:.0f} ms)")
+        save_image(r.outputs[0, 0].clamp(0, 1), dst)
+        records.append({"input": str(path), "output": str(dst), "model": c.model, "stop_output": t,
+                        "layers": net.layers_at(t), "of_layers": net.depth, "seconds": round(sec, 4)})
+        run.log(f"  {path.name} -> {dst}  ({net.layers_at(t)} of {net.depth} layers, {sec * 1000:.0f} ms)")
     if run.ctx.is_main:
         write_json(records, out_dir / "depths.json")
     return {"images": records}
 
 
 COMMANDS = {"train": train, "evaluate": evaluate, "reproduce": reproduce, "denoise": denoise_files}
+
+SPEC = register_task(TaskSpec(
+    name="denoise",
+    description="DnCNN-stop: blind Gaussian denoising, the policy picks the depth per image (Sec. 5.3)",
+    config_class=DenoiseAppConfig,
+    presets=PRESETS,
+    commands=COMMANDS,
+    app=APP,
+))

@@ -1,15 +1,18 @@
-"""DnCNN and its deep-supervised variant as a step-wise model (paper Sec. 5.3, App. B.3).
+"""DnCNN and its deep-supervised, early-exit variant as a step-wise model (paper Sec. 5.3, App. B.3).
 
 DnCNN (Zhang et al. 2017) with ``depth`` D layers: conv+ReLU, (D-2) x conv+BN+ReLU, conv; 3x3
-convolutions without biases, ``channels`` feature maps, predicting the noise (residual learning):
+convolutions without biases, ``channels`` C feature maps, predicting the noise (residual learning):
 denoised = noisy - prediction. Call layers 1..D-1 the *blocks*; the last conv maps block D-1's
 features to the noise.
 
-The deep-supervised variant adds a *head* (conv C->C, BN, ReLU, conv C->1) after each block listed
-in ``output_positions`` (paper: blocks 1..18 of 20 layers, plus the final layer: 19 outputs). Step t
-runs the blocks from the previous output position up to the t-th, and ``readout(t)`` is the denoised
-image from head t (the final conv at t = T), so an image that stops at t costs only its first
-``layers_at(t)`` blocks. With no output positions it is plain DnCNN (T = 1).
+The early-exit variant adds a *head* after each block listed in ``output_positions``: one conv
+C -> 1 (1x1 by default; 3x3 makes the exit after block k a (k+1)-layer DnCNN sharing the first k
+blocks). A 1x1 head costs 1/(9C) of a block (the paper's heads, conv C->C + BN + ReLU + conv C->1,
+cost a whole block each: with one at every block, a full-depth image paid about twice the network).
+Step t runs the blocks from the previous exit up to the t-th, and ``readout(t)`` is the denoised
+image from head t (the final conv at t = T), so an image that stops at t costs its first
+``blocks_at(t)`` blocks and t heads (:attr:`~DeepSupervisedDnCNN.exit_costs`). With no output
+positions it is plain DnCNN (T = 1).
 """
 from __future__ import annotations
 
@@ -19,12 +22,12 @@ import torch
 from torch import Tensor, nn
 
 
-def _conv(cin: int, cout: int) -> nn.Conv2d:
-    return nn.Conv2d(cin, cout, kernel_size=3, padding=1, bias=False)
+def _conv(cin: int, cout: int, kernel: int = 3) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, kernel_size=kernel, padding=kernel // 2, bias=False)
 
 
 class DeepSupervisedDnCNN(nn.Module):
-    """DnCNN with early outputs; a step-wise model for :mod:`learn2stop.core.loop`.
+    """DnCNN with cheap early exits; a step-wise model for :mod:`learn2stop.core.loop`.
 
     Args:
         depth: number of conv layers D (paper 20), at least 3.
@@ -32,37 +35,46 @@ class DeepSupervisedDnCNN(nn.Module):
         output_positions: blocks (1..D-2) followed by a head, increasing; None = every block 1..D-2,
             () = plain DnCNN. The final layer is always the last output.
         image_channels: 1 for grey images.
+        head_kernel: 1 (a 1x1 conv C->1, default) or 3 (3x3, like the final layer: 9x the multiply-adds,
+            and on CPUs a 3x3 conv with one output channel runs at a fraction of the speed of the
+            others, about 20 % of a block's time instead of 1/C).
+        frozen_backbone: train only the heads: the blocks and the final conv run without gradients
+            and keep their BatchNorm statistics (the heads warm-up on a pre-trained DnCNN).
+        policy_macs: multiply-accumulates per pixel of one call of the stopping policy, counted in
+            :attr:`exit_costs` (the policy is asked at every exit but the last).
 
-    Inputs: the noisy image (B, 1, H, W) in [0, 1]-ish. Output at every step: the denoised image
-    (B, 1, H, W) (not clamped; clamp for PSNR).
+    Inputs: the noisy image (B, 1, H, W). Output at every step: the denoised image (B, 1, H, W)
+    (not clamped; clamp for PSNR).
 
     Example:
         >>> net = DeepSupervisedDnCNN(depth=5, channels=8, output_positions=(1, 2))
         >>> net.num_steps, [net.layers_at(t) for t in (1, 2, 3)]
-        (3, [1, 2, 5])
+        (3, [2, 3, 5])
     """
 
     def __init__(self, depth: int = 20, channels: int = 64, output_positions: Sequence[int] | None = None,
-                 image_channels: int = 1):
+                 image_channels: int = 1, head_kernel: int = 1, frozen_backbone: bool = False,
+                 policy_macs: float = 0.0):
         super().__init__()
         if depth < 3:
             raise ValueError(f"DnCNN depth must be >= 3 layers; got {depth}")
         if channels < 1:
             raise ValueError(f"channels must be >= 1; got {channels}")
+        if head_kernel not in (1, 3):
+            raise ValueError(f"head_kernel must be 1 or 3; got {head_kernel}")
         positions = tuple(range(1, depth - 1)) if output_positions is None else tuple(int(p) for p in output_positions)
         if any(not 1 <= p <= depth - 2 for p in positions) or list(positions) != sorted(set(positions)):
             raise ValueError(f"output_positions must be increasing block indices in 1..{depth - 2}; got {positions}")
         self.depth, self.channels, self.output_positions = depth, channels, positions
+        self.image_channels, self.head_kernel = image_channels, head_kernel
+        self.frozen_backbone, self.policy_macs = frozen_backbone, float(policy_macs)
         self.num_steps = len(positions) + 1
         blocks = [nn.Sequential(_conv(image_channels, channels), nn.ReLU(inplace=True))]
         for _ in range(depth - 2):
             blocks.append(nn.Sequential(_conv(channels, channels), nn.BatchNorm2d(channels), nn.ReLU(inplace=True)))
         self.blocks = nn.ModuleList(blocks)  # D-1 blocks
         self.final = _conv(channels, image_channels)
-        self.heads = nn.ModuleList(
-            nn.Sequential(_conv(channels, channels), nn.BatchNorm2d(channels), nn.ReLU(inplace=True),
-                          _conv(channels, image_channels))
-            for _ in positions)
+        self.heads = nn.ModuleList(_conv(channels, image_channels, head_kernel) for _ in positions)
         # last block run by step t (1-based): the output positions, then block D-1 for the final conv
         self._ends = positions + (depth - 1,)
         self.block_rows = 0  # image-blocks computed, to check that early exit really skips work
@@ -76,16 +88,48 @@ class DeepSupervisedDnCNN(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
         # small last layers: the residual starts near zero, i.e. the output near the noisy input
-        for m in [self.final] + [h[-1] for h in self.heads]:
+        for m in [self.final, *self.heads]:
             nn.init.normal_(m.weight, std=1e-3)
 
+    def train(self, mode: bool = True) -> "DeepSupervisedDnCNN":
+        super().train(mode)
+        if self.frozen_backbone:
+            self.blocks.eval()  # a frozen backbone keeps its running BatchNorm statistics
+        return self
+
+    # ------------------------------------------------------------------ depth and cost
     def layers_at(self, t: int) -> int:
-        """Conv layers on the path to output t (backbone blocks; + 2 for a head, + 1 for the final conv)."""
-        return self._ends[t - 1] + (2 if t < self.num_steps else 1)
+        """Conv layers on the path to output t: the blocks run plus the head (or the final conv)."""
+        return self._ends[t - 1] + 1
 
     def blocks_at(self, t: int) -> int:
         """Backbone blocks computed when stopping at output t."""
         return self._ends[t - 1]
+
+    def block_macs(self) -> list[float]:
+        """Multiply-accumulates per pixel of each block (D-1,): 9 C for the first, 9 C^2 after."""
+        c, k = self.channels, self.image_channels
+        return [9.0 * k * c] + [9.0 * c * c] * (self.depth - 2)
+
+    @property
+    def exit_costs(self) -> list[float]:
+        """Cumulative multiply-accumulates per pixel of stopping at output t = 1..T, shape (T,).
+
+        Everything an image that stops at t has computed: blocks 1..blocks_at(t), the heads of
+        outputs 1..t (the final conv at T) and the policy at outputs 1..min(t, T-1) (an upper bound
+        when the policy skips its first exits, ``min_step``: 0.2 % of a block per call). The core
+        normalises by the last entry (see :func:`learn2stop.core.distributions.exit_costs`).
+        """
+        blocks = torch.tensor(self.block_macs(), dtype=torch.float64).cumsum(0)
+        head = float(self.head_kernel ** 2 * self.channels * self.image_channels)
+        final = 9.0 * self.channels * self.image_channels
+        out = []
+        for t in range(1, self.num_steps + 1):
+            last = t == self.num_steps
+            heads = (t - 1) * head + (final if last else head)
+            policy = (t - 1 if last else t) * self.policy_macs
+            out.append(float(blocks[self._ends[t - 1] - 1]) + heads + policy)
+        return out
 
     # ------------------------------------------------------------------ step-wise protocol
     def initial_state(self, inputs: Tensor) -> Tensor:
@@ -96,15 +140,18 @@ class DeepSupervisedDnCNN(nn.Module):
     def step(self, t: int, state: Tensor, inputs: Tensor) -> Tensor:
         """Run blocks (end of step t-1, end of step t]; state: (B, C, H, W) features (the input at t=1)."""
         start = self._ends[t - 2] if t > 1 else 0
-        for block in self.blocks[start:self._ends[t - 1]]:
-            state = block(state)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen_backbone):
+            for block in self.blocks[start:self._ends[t - 1]]:
+                state = block(state)
         self.block_rows += state.shape[0] * (self._ends[t - 1] - start)
         return state
 
     def readout(self, t: int, state: Tensor, inputs: Tensor) -> Tensor:
         """Denoised image at output t: noisy - predicted noise, (B, 1, H, W)."""
-        layer = self.heads[t - 1] if t < self.num_steps else self.final
-        return inputs - layer(state)
+        if t < self.num_steps:
+            return inputs - self.heads[t - 1](state)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen_backbone):
+            return inputs - self.final(state)
 
     def forward(self, noisy: Tensor) -> Tensor:
         """Full-depth denoising through the final layer only (plain DnCNN inference)."""
@@ -113,35 +160,13 @@ class DeepSupervisedDnCNN(nn.Module):
             state = block(state)
         return noisy - self.final(state)
 
-    def backbone_state_dict(self) -> dict[str, Tensor]:
-        """Weights of the blocks and the final layer (what plain DnCNN and this model share)."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("heads.")}
-
-
-class HeadsOnly(nn.Module):
-    """A step-wise view of a deep-supervised DnCNN whose only parameters are its heads.
-
-    Used to warm up freshly added heads on a pre-trained, frozen backbone: the trainer trains
-    (and checkpoints) the parameters of the model it is given, so the backbone is kept outside the
-    module tree; it also stays in eval mode, so its BatchNorm statistics do not move.
-    """
-
-    def __init__(self, net: DeepSupervisedDnCNN):
-        super().__init__()
-        self.heads = net.heads
-        self.__dict__["_net"] = net  # not a submodule: not trained, not saved, not switched to train mode
-        self.num_steps = net.num_steps
-
-    def initial_state(self, inputs):
-        return self._net.initial_state(inputs)
-
-    def step(self, t, state, inputs):
-        self._net.blocks.eval()  # frozen backbone: running BN statistics, no gradients
-        with torch.no_grad():
-            return self._net.step(t, state, inputs)
-
-    def readout(self, t, state, inputs):
-        if t == self.num_steps:  # the final layer belongs to the frozen backbone
-            with torch.no_grad():
-                return self._net.readout(t, state, inputs)
-        return self._net.readout(t, state, inputs)
+    def load_backbone(self, other: "DeepSupervisedDnCNN") -> None:
+        """Copy the blocks and the final layer of another DnCNN of the same depth and width (heads untouched)."""
+        backbone = {k: v for k, v in other.state_dict().items() if not k.startswith("heads.")}
+        try:
+            missing, unexpected = self.load_state_dict(backbone, strict=False)
+        except RuntimeError as e:
+            raise ValueError(f"load_backbone: the two DnCNNs differ in their backbone: {e}") from None
+        bad = [k for k in missing if not k.startswith("heads.")] + list(unexpected)
+        if bad:
+            raise ValueError(f"load_backbone: the two DnCNNs differ in their backbone ({', '.join(bad[:4])})")

@@ -1,15 +1,265 @@
-"""The training task the core trainer needs: blind Gaussian denoising of image patches."""
+"""The denoising task: its config and presets, the images, the evaluation samples and the training task.
+
+Blind Gaussian denoising: the noise level is drawn per training patch and never given to the model.
+Defaults are the paper's settings (Sec. 5.3, App. B.3); presets are partial configs over them.
+"""
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .data import PatchBank, add_noise, sample_sigmas
+from ...core import InferenceConfig, MethodConfig, StageConfig, derive_seed
+from ...utils.config import from_dict, merge, non_negative, one_of, positive, require, to_dict
+from .data import ImageDataError, PatchBank, add_noise, load_folder, sample_sigmas, synthetic_images
 
 
+# ----------------------------------------------------------------------------- config
+@dataclass
+class DataConfig:
+    """Where the images come from. Empty ``train_dir``/``test_dir``: the embedded dead-leaves images."""
+
+    train_dir: str = ""
+    test_dir: str = ""
+    val_fraction: float = 0.2  # of the training images, held out for selection and calibration
+    synthetic_train: int = 60  # embedded default: images generated for training + validation
+    synthetic_test: int = 8
+    synthetic_size: int = 128
+    max_train_images: int = 0  # 0 = all (before the validation split)
+    max_test_images: int = 0  # 0 = all
+    patch_size: int = 50
+    stride: int = 10
+    scales: tuple[float, ...] = (1.0, 0.9, 0.8, 0.7)
+    sigma_max: float = 55.0  # training sigma ~ U[0, sigma_max] (paper) ...
+    sigma_set: tuple[float, ...] = ()  # ... or from this set (release: 35, 45, 55)
+    val_patches: int = 256
+
+    def __post_init__(self):
+        require(0 < self.val_fraction < 1, "data.val_fraction", f"must be in (0, 1); got {self.val_fraction}")
+        for name in ("synthetic_train", "synthetic_test", "synthetic_size", "patch_size", "stride", "val_patches"):
+            require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"data.{name}",
+                    f"must be an integer >= 1; got {getattr(self, name)!r}")
+        require(self.synthetic_train >= 2, "data.synthetic_train", "needs >= 2 images (train and validation)")
+        for name in ("max_train_images", "max_test_images"):
+            require(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, f"data.{name}",
+                    f"must be an integer >= 0; got {getattr(self, name)!r}")
+        require(len(self.scales) > 0 and all(0 < s <= 4 for s in self.scales), "data.scales",
+                f"must be resize factors in (0, 4]; got {self.scales}")
+        non_negative(self.sigma_max, "data.sigma_max")
+        require(all(s >= 0 for s in self.sigma_set), "data.sigma_set", f"noise levels must be >= 0; got {self.sigma_set}")
+        require(self.synthetic_size >= self.patch_size or bool(self.train_dir), "data.synthetic_size",
+                f"must be >= data.patch_size ({self.patch_size}); got {self.synthetic_size}")
+
+
+@dataclass
+class ModelConfig:
+    """The network and its policy.
+
+    outputs: blocks followed by an exit; () = every block 1..depth-2 (paper: 18 exits + the final layer).
+    head_kernel: an exit is one conv C->1 of this size (1, or 3 like DnCNN's last layer: on CPUs a
+        3x3 conv to one channel takes about 20 % of a block's time).
+    policy_hidden: width of the policy's MLP.
+    policy_min_mass: the policy is first asked at the first exit whose mean validation oracle mass
+        (with the method's price) exceeds this; 0 asks it at every exit.
+    """
+
+    depth: int = 20
+    channels: int = 64
+    outputs: tuple[int, ...] = ()
+    head_kernel: int = 1
+    policy_hidden: int = 16
+    policy_min_mass: float = 0.0
+
+    def __post_init__(self):
+        require(isinstance(self.depth, int) and self.depth >= 3, "model.depth", f"must be an integer >= 3; got {self.depth!r}")
+        require(isinstance(self.channels, int) and self.channels >= 1, "model.channels", f"must be an integer >= 1; got {self.channels!r}")
+        require(isinstance(self.policy_hidden, int) and self.policy_hidden >= 1, "model.policy_hidden",
+                f"must be an integer >= 1; got {self.policy_hidden!r}")
+        one_of(self.head_kernel, (1, 3), "model.head_kernel")
+        require(0 <= self.policy_min_mass < 1, "model.policy_min_mass", f"must be in [0, 1); got {self.policy_min_mass}")
+        require(all(1 <= p <= self.depth - 2 for p in self.outputs) and list(self.outputs) == sorted(set(self.outputs)),
+                "model.outputs", f"must be increasing block indices in 1..{self.depth - 2}; got {self.outputs}")
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        return self.outputs or tuple(range(1, self.depth - 1))
+
+
+@dataclass
+class EvalConfig:
+    """Test (and calibration) images: every image at every sigma, one seeded noise per image and sigma."""
+
+    sigmas: tuple[float, ...] = (35.0, 45.0, 55.0, 65.0, 75.0)
+    bm3d: bool = True  # needs the optional 'bm3d' package; skipped (and said so) when absent
+    bm3d_max_images: int = 0  # 0 = every test image
+    figure_sigmas: tuple[float, ...] = (55.0, 75.0)
+    crop: int = 96
+    seed: int = 2020
+    timing_rounds: int = 3  # ms per image: the fastest of this many interleaved rounds
+
+
+    def __post_init__(self):
+        require(len(self.sigmas) > 0 and all(s >= 0 for s in self.sigmas), "eval.sigmas",
+                f"noise levels must be >= 0; got {self.sigmas}")
+        require(all(s >= 0 for s in self.figure_sigmas), "eval.figure_sigmas", f"must be >= 0; got {self.figure_sigmas}")
+        require(isinstance(self.bm3d_max_images, int) and self.bm3d_max_images >= 0, "eval.bm3d_max_images",
+                f"must be an integer >= 0; got {self.bm3d_max_images!r}")
+        positive(self.crop, "eval.crop")
+        require(isinstance(self.timing_rounds, int) and self.timing_rounds >= 1, "eval.timing_rounds",
+                f"must be an integer >= 1; got {self.timing_rounds!r}")
+
+
+@dataclass
+class DenoiseCommandConfig:
+    """The ``denoise`` command: an image file or folder in, denoised PNGs and depths out."""
+
+    input: str = ""
+    output: str = ""  # default <run-dir>/denoised
+    model: str = "stop"  # stop (DnCNN-stop, early exit with the deployed rule) or dncnn
+    add_sigma: float = 0.0  # > 0: add seeded Gaussian noise first (a demo on clean images)
+
+    def __post_init__(self):
+        one_of(self.model, ("stop", "dncnn"), "denoise.model")
+        non_negative(self.add_sigma, "denoise.add_sigma")
+
+
+def _stage(**kw) -> Any:
+    return field(default_factory=lambda: StageConfig(**kw))
+
+
+@dataclass
+class DenoiseAppConfig:
+    """DnCNN-stop (paper Sec. 5.3, App. B.3). Defaults: the paper's settings (see the ``paper`` preset).
+
+    method: beta (0.1 on the per-patch SSE, paper), depth prior and price on computation
+        (lambda, in SSE units per full network), inherited by every stage.
+    inference: the test-time stop rule (replaced by ``calibration.json`` once a run is calibrated).
+    """
+
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    method: MethodConfig = field(default_factory=lambda: MethodConfig(beta=0.1))
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    # DnCNN pre-training: 50 epochs of ~403k patches at batch 256 = 78.7k iterations, lr 1e-3, /10 at half
+    baseline: StageConfig = _stage(objective="deep_supervision", iterations=78700, batch_size=256, lr=1e-3,
+                                   lr_schedule="step", lr_decay_at=(0.5,), eval_every=1000, checkpoint_every=1000)
+    # fresh exits on the frozen pre-trained backbone (ours: the oracle never picks an untrained exit)
+    heads: StageConfig = _stage(objective="deep_supervision", iterations=5000, batch_size=256, lr=1e-3, select="none",
+                                eval_every=1000, checkpoint_every=1000)
+    # Stage I fine-tuning: 50 epochs, lr 1e-4, oracle q*(t) ~ exp(-(SSE_t + price c_t) / beta)
+    stage1: StageConfig = _stage(objective="stage1", variant="marginal", iterations=78700, batch_size=256, lr=1e-4,
+                                 select="none", eval_every=1000, checkpoint_every=1000)
+    # Stage II policy; validation scores ignore the price, so the last weights are kept
+    stage2: StageConfig = _stage(objective="stage2", variant="forward_kl", iterations=20000, batch_size=256, lr=1e-3,
+                                 select="none", eval_every=1000, checkpoint_every=1000)
+    # optional Stage III (0 iterations = skipped)
+    stage3: StageConfig = _stage(objective="stage3", iterations=0, batch_size=64, lr=1e-5, select="none",
+                                 eval_every=500, checkpoint_every=500)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    denoise: DenoiseCommandConfig = field(default_factory=DenoiseCommandConfig)
+
+    def __post_init__(self):
+        for name in ("baseline", "heads", "stage1", "stage2", "stage3"):
+            allowed = {"baseline": ("deep_supervision",), "heads": ("deep_supervision",),
+                       "stage1": ("stage1", "deep_supervision"), "stage2": ("stage2",), "stage3": ("stage3", "aevb")}[name]
+            got = getattr(self, name).objective
+            require(got in allowed, f"{name}.objective", f"must be {' or '.join(allowed)} for this stage; got {got!r}")
+
+
+def _quick(**kw) -> dict:
+    return {"eval_every": 100, "checkpoint_every": 100, "batch_size": 32, **kw}
+
+
+PRESETS: dict[str, dict] = {
+    # ~11 min on one CPU core: embedded dead-leaves images, a 10-layer 32-channel DnCNN (8 exits). Stage I
+    # with a price on MACs and a soft oracle (beta 1 on the patch SSE; at 0.1 Stage I trains one exit and
+    # the others fall 5-16 dB behind); the policy is not asked at exits 1-2 (no oracle mass there)
+    "quick": {
+        "data": {"patch_size": 40, "val_patches": 96, "synthetic_train": 60, "synthetic_test": 8, "synthetic_size": 128},
+        "model": {"depth": 10, "channels": 32, "policy_min_mass": 0.05},
+        "method": {"beta": 1.0, "price": 0.5},
+        "baseline": _quick(iterations=1000, lr=2e-3, lr_schedule="step", lr_decay_at=[0.6]),
+        "heads": _quick(iterations=100, lr=5e-3),
+        "stage1": _quick(iterations=800, lr=5e-4, lr_schedule="cosine", lr_min_factor=0.05),
+        "stage2": _quick(iterations=400, lr=3e-3, lr_schedule="cosine", lr_min_factor=0.05),
+        "eval": {"crop": 64},
+    },
+    # the paper's settings (the dataclass defaults) on Train400 / BSD68
+    "paper": {
+        "data": {"train_dir": "../shared/data/denoising/Train400", "test_dir": "../shared/data/denoising/BSD68"},
+    },
+}
+
+
+def preset(name: str = "quick", **overrides: Any) -> DenoiseAppConfig:
+    """The config of a named preset, with optional nested overrides (dicts)."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown denoise preset {name!r}; available: {', '.join(PRESETS)}")
+    return from_dict(DenoiseAppConfig, merge(merge(to_dict(DenoiseAppConfig()), PRESETS[name]), overrides))
+
+
+# ----------------------------------------------------------------------------- images
+def load_training_images(cfg: DenoiseAppConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(train images, validation images): a seeded, disjoint split of the training folder (or dead leaves)."""
+    d = cfg.data
+    if d.train_dir:
+        images, _ = load_folder(d.train_dir, min_size=d.patch_size)
+        images = images[:d.max_train_images] if d.max_train_images else images
+    else:
+        images = synthetic_images(d.synthetic_train, d.synthetic_size, seed=derive_seed(cfg.seed, "dead-leaves-train") % 2**32)
+    if len(images) < 2:
+        raise ImageDataError(f"need >= 2 training images (training and validation split); found {len(images)}")
+    perm = np.random.default_rng(cfg.seed).permutation(len(images))
+    n_val = min(max(1, int(round(d.val_fraction * len(images)))), len(images) - 1)
+    return [images[i] for i in perm[n_val:]], [images[i] for i in perm[:n_val]]
+
+
+def load_test_images(cfg: DenoiseAppConfig) -> tuple[list[np.ndarray], list[str]]:
+    """(test images, file names): the test folder, or dead-leaves images from another seed."""
+    d = cfg.data
+    if d.test_dir:
+        images, names = load_folder(d.test_dir)
+    else:
+        images = synthetic_images(d.synthetic_test, d.synthetic_size, seed=derive_seed(cfg.seed, "dead-leaves-test") % 2**32)
+        names = [f"dead_leaves_{i:03d}.png" for i in range(len(images))]
+    if d.max_test_images:
+        images, names = images[:d.max_test_images], names[:d.max_test_images]
+    return images, names
+
+
+@dataclass
+class NoisyImage:
+    """One evaluation sample: an image at one noise level, with its own seeded noise."""
+
+    noisy: torch.Tensor  # (1, 1, H, W)
+    clean: torch.Tensor  # (1, 1, H, W)
+    sigma: float
+    name: str
+
+def eval_samples(cfg: DenoiseAppConfig, split: str) -> list[NoisyImage]:
+    """Every image of ``split`` ("test", or "val": the validation images) at every ``eval.sigmas``, image-major.
+
+    Each (image i, sigma) gets its own noise, seeded by (eval.seed, split, sigma, i): the same on every call.
+    """
+    if split == "test":
+        images, names = load_test_images(cfg)
+    else:
+        images = load_training_images(cfg)[1]
+        names = [f"val_{i:03d}" for i in range(len(images))]
+    out = []
+    for i, (img, name) in enumerate(zip(images, names)):
+        clean = torch.from_numpy(img)[None, None]
+        for sigma in cfg.eval.sigmas:
+            g = torch.Generator().manual_seed(derive_seed(cfg.eval.seed, f"{split}-noise", float(sigma), i))
+            out.append(NoisyImage(add_noise(clean, float(sigma), g), clean, float(sigma), name))
+    return out
+
+
+# ----------------------------------------------------------------------------- training
 def sse_loss(output: Tensor, target: Tensor) -> Tensor:
     """Per-image sum of squared errors (B,), the scale on which the paper sets beta = 0.1."""
     return ((output - target) ** 2).flatten(1).sum(dim=1)
