@@ -30,6 +30,7 @@ from ..utils.report import append_jsonl
 from ..utils.rundir import truncate_metrics
 from ..utils.distributed import DistContext
 from .calibration import InferenceConfig
+from .distributions import exit_costs
 from .loop import StoppingModel, tree_map
 from .objectives import StageConfig, StageObjective
 from .rules import first_crossing, signal_trace
@@ -68,10 +69,16 @@ def load_finished_stage(module: nn.Module, checkpoint_dir: str | Path, stage: st
 
 @torch.no_grad()
 def validation_scores(sm: StoppingModel, batches: Iterable[tuple[Any, Any]], loss_fn,
-                      inference: InferenceConfig | None = None, seed: int = 0) -> dict[str, float]:
+                      inference: InferenceConfig | None = None, seed: int = 0, price: float = 0.0) -> dict[str, float]:
     """Mean validation loss at the last step, at the best step (oracle), and with early exit by the
-    policy under ``inference``: the same rule evaluation uses (default: :class:`InferenceConfig`)."""
+    policy under ``inference``: the same rule evaluation uses (default: :class:`InferenceConfig`).
+
+    With a ``price`` on computation, the oracle and policy scores are the priced objective
+    loss + price * c_t (c_t: the model's normalised cost of stopping at t), so that selection does not
+    favour never stopping.
+    """
     inference = inference or InferenceConfig()
+    costs = exit_costs(sm.model) * price if price else None
     was_training = sm.training
     sm.eval()
     totals: dict[str, float] = {"last": 0.0, "oracle": 0.0, "policy": 0.0, "depth": 0.0}
@@ -83,14 +90,15 @@ def validation_scores(sm: StoppingModel, batches: Iterable[tuple[Any, Any]], los
         r = sm.unroll(inputs, target, loss_fn, keep_outputs=not inference.uses_policy)
         b = r.losses.shape[0]
         totals["last"] += float(r.losses[:, -1].sum())
-        totals["oracle"] += float(r.losses.min(dim=1).values.sum())
+        priced = r.losses if costs is None else r.losses + costs.to(r.losses)[None]
+        totals["oracle"] += float(priced.min(dim=1).values.sum())
         if sm.policy is not None:
             if inference.uses_policy:
                 stop = inference.stop_times(r, gen)
             else:
                 stop = first_crossing(signal_trace(inference.signal(sm.policy), r.step_outputs, inputs),
                                       inference.signal(sm.policy).from_param(inference.param))
-            totals["policy"] += float(r.losses.gather(1, stop[:, None] - 1).sum())
+            totals["policy"] += float(priced.gather(1, stop[:, None] - 1).sum())
             totals["depth"] += float(stop.float().sum())
         n += b
     sm.train(was_training)
@@ -160,7 +168,7 @@ class StagedTrainer:
 
     def _validate(self, cfg: StageConfig) -> dict[str, float]:
         return validation_scores(self.sm, self.task.validation_batches(self.ctx.device), self.task.loss_fn,
-                                 self.inference, seed=derive_seed(self.seed, "validation"))
+                                 self.inference, seed=derive_seed(self.seed, "validation"), price=cfg.price or 0.0)
 
     def _state(self) -> dict:
         # Tensors are copied; a module's extra state (plain values) passes through.
