@@ -279,3 +279,17 @@ def test_expected_stage1_pushes_bad_steps_up_while_marginal_weights_are_the_orac
     expected = q * (1 - (losses.detach() - (q * losses.detach()).sum()) / beta)
     torch.testing.assert_close(g_expected, expected)
     assert (g_expected < 0).any() and (losses.grad >= 0).all()
+
+
+def test_validation_with_a_price_scores_the_priced_objective(sm):
+    y = torch.randn(50, 6, generator=torch.Generator().manual_seed(8))
+    target = torch.randint(0, 5, (50,), generator=torch.Generator().manual_seed(9))
+    loss_fn = lambda out, tgt: nn.functional.cross_entropy(out, tgt, reduction="none")
+    inf = InferenceConfig(rule="quantile", param=0.5)
+    plain = validation_scores(sm, [(y, target)], loss_fn, inf)
+    priced = validation_scores(sm, [(y, target)], loss_fn, inf, price=2.0)
+    with torch.no_grad():
+        stops = run_with_early_exit(sm.model, y, inf.make_rule(sm.policy)).stop_times
+    c = exit_costs(sm.model)
+    assert priced["policy"] == pytest.approx(plain["policy"] + 2.0 * float(c[stops - 1].mean()), rel=1e-5)
+    assert priced["last"] == pytest.approx(plain["last"]) and priced["oracle"] > plain["oracle"]
