@@ -179,3 +179,30 @@ def test_a_feature_size_mismatch_is_reported_at_the_first_step_not_deep_in_a_mat
 
     with pytest.raises(ValueError, match=r"Net cannot take inputs of shape \(3, 4\) and dtype torch.float32"):
         StoppingModel(Net())(torch.zeros(3, 4))
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["--problem.m", "200000", "--problem.n", "400000"], "problem: needs about"),
+    (["--classical.depths", ""], "depths"),
+    (["--classical.L_grid", ""], "L_grid"),
+])
+def test_sparse_configs_that_would_fail_late_are_refused_first(flags, field, tmp_path, capsys):
+    try:
+        rc = main(["sparse", "train", "--run-dir", str(tmp_path / "r"), "--no-progress", *flags])
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2 and field in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_refused_command_leaves_the_runs_record_untouched(tmp_path, capsys):
+    from tests.test_cli import TINY
+
+    run = tmp_path / "run"
+    flags = [*TINY, "--run_aevb", "false", "--run_stage3", "false", "--no-progress"]
+    assert main(["sparse", "train", "--run-dir", str(run), *flags]) == 0
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    assert main(["sparse", "train", "--run-dir", str(run), *flags, "--problem.matrix_seed", "7"]) == 2
+    assert "problem.matrix_seed" in capsys.readouterr().err
+    after = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != ".lock"}
+    assert {k: v for k, v in before.items() if k != ".lock"} == after

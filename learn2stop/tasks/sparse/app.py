@@ -20,7 +20,7 @@ from ...core.evaluation import collect_trace, evaluate_rule
 from ...core.loop import unroll
 from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage, run_pipeline, stop_model_trace
 from ...core.rules import ToleranceSignal
-from ...utils.config import from_dict, merge, one_of, positive, require, to_dict
+from ...utils.config import from_dict, merge, non_empty, one_of, positive, require, to_dict
 from ...utils.report import markdown_table, write_json
 from ..base import RunContext, TaskSpec, register_task
 from .models import FISTA, ISTA, LISTA
@@ -87,6 +87,8 @@ class ClassicalConfig:
     tune_samples: int = 1000
 
     def __post_init__(self):
+        for name in ("depths", "L_grid", "rho_grid"):
+            non_empty(getattr(self, name), name)  # an empty grid would only fail after all training
         require(all(d >= 1 for d in self.depths), "depths", "must be >= 1")
         require(all(v > 0 for v in self.L_grid), "L_grid", "values must be > 0")
         require(all(v >= 0 for v in self.rho_grid), "rho_grid", "values must be >= 0")
@@ -135,6 +137,25 @@ class SparseConfig:
             got = getattr(self, name).objective
             require(got == expected, f"{name}.objective", f"must be {expected!r} for this stage; got {got!r}")
         require(self.lista.num_steps >= 2, "lista.num_steps", "a stopping policy needs T >= 2 steps")
+        _check_memory(self)
+
+
+def _check_memory(cfg: "SparseConfig") -> None:
+    """Refuse, before any work, a problem whose fixed sets and largest batch cannot fit in this machine's memory."""
+    import os
+
+    p, T = cfg.problem, cfg.lista.num_steps
+    floats = (2 * p.m * p.n  # A, plus the policy's copy
+              + (p.test_per_snr + p.val_per_snr) * len(p.snrs) * (p.m + p.n)  # fixed validation and test sets
+              + max(cfg.eval_batch, cfg.stage1.batch_size, cfg.baseline.batch_size) * (p.m + p.n) * (T + 2))  # unrolled batch
+    need = 4 * floats
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return
+    require(need < 0.8 * have, "problem", f"needs about {need / 2**30:.1f} GiB (m={p.m}, n={p.n}, "
+            f"{p.test_per_snr + p.val_per_snr} samples per SNR, batch up to {max(cfg.eval_batch, cfg.stage1.batch_size)}) "
+            f"but this machine has {have / 2**30:.1f} GiB; shrink problem.m/n, the sets or the batch sizes")
 
 
 def _efficient_schedule(iterations: int, every: int, lr: float = 1e-3) -> dict:
