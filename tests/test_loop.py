@@ -46,7 +46,7 @@ def test_policy_threshold_rule_stops_at_first_confident_step(toy, gen):
     with torch.no_grad():
         full = unroll(model, y, policy=policy, keep_outputs=True)
         sm = StoppingModel(model, policy)
-        r = sm(y, record_probs=True)
+        r = sm(y, threshold=0.5, record_probs=True)
     p = torch.sigmoid(full.stop_logits)
     above = torch.cat([p > 0.5, torch.ones(50, 1, dtype=torch.bool)], 1)
     expected = above.float().argmax(1) + 1

@@ -415,7 +415,7 @@ class StoppingModel(nn.Module):
 
     Example:
         >>> sm = StoppingModel(model, policy)               # doctest: +SKIP
-        >>> result = sm(inputs)                             # early exit, pi_t > 0.5   # doctest: +SKIP
+        >>> result = sm(inputs)                  # early exit with the default rule  # doctest: +SKIP
         >>> result.outputs, result.stop_times, result.steps_computed                   # doctest: +SKIP
     """
 
@@ -435,15 +435,26 @@ class StoppingModel(nn.Module):
         return unroll(self.model, inputs, target=target, loss_fn=loss_fn,
                       policy=self.policy if use_policy else None, model_grad=model_grad, keep_outputs=keep_outputs)
 
-    def forward(self, inputs: Any, rule: StopRule | None = None, *, mode: str = "threshold",
-                threshold: float = 0.5, generator: torch.Generator | None = None,
+    def forward(self, inputs: Any, rule: StopRule | None = None, *, inference: Any = None,
+                mode: str | None = None, threshold: float | None = None, generator: torch.Generator | None = None,
                 record_probs: bool = False) -> Rollout:
-        """Inference that really stops; by default asks the policy with threshold 0.5."""
+        """Inference that really stops.
+
+        The rule is, in order: ``rule`` (e.g. a calibrated one: ``calibration.make_rule(sm.policy)``);
+        the policy with ``mode`` ("threshold" / "sample") and ``threshold`` if either is given; else
+        ``inference`` (an :class:`~learn2stop.core.calibration.InferenceConfig`), by default the same
+        rule the CLI and validation use (quantile, alpha 0.5). Without a policy: full depth.
+        """
         if rule is None:
             if self.policy is None:
                 rule = FixedDepth()
+            elif mode is not None or threshold is not None:
+                rule = PolicyRule(self.policy, mode=mode or "threshold",
+                                  threshold=0.5 if threshold is None else threshold, generator=generator)
             else:
-                rule = PolicyRule(self.policy, mode=mode, threshold=threshold, generator=generator)
+                from .calibration import InferenceConfig
+
+                rule = (inference or InferenceConfig()).make_rule(self.policy, generator)
         return run_with_early_exit(self.model, inputs, rule, record_probs=record_probs)
 
     def stop_distribution(self, inputs: Any) -> Tensor:
