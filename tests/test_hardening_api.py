@@ -1,6 +1,4 @@
 """Bad input through the Python API and the CLI: each case fails with a message that names the problem."""
-import math
-
 import numpy as np
 import pytest
 import torch

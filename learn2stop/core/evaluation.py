@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -19,10 +18,10 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from .calibration import calibrate_budget, mean_cost_curve
+from .calibration import calibrate_budget
 from .distributions import exit_costs
-from .loop import StopAtTimes, StoppingModel, run_with_early_exit, tree_leaves, tree_map, unroll
-from .rules import SignalRule, StopSignal, first_crossing, signal_trace
+from .loop import run_with_early_exit, tree_leaves, tree_map, unroll
+from .rules import StopSignal, first_crossing, signal_trace
 
 
 @dataclass

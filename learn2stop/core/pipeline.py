@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,9 +25,9 @@ import torch
 from ..utils.config import ConfigError
 from ..utils.report import write_json
 from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rule, calibrate_budget, calibrate_risk,
-                          check_budget, check_risk, policy_scores, save_calibration)
+                          check_budget, check_risk, save_calibration)
 from .evaluation import (Metric, Trace, budget_curve, collect_trace, fixed_depth_curve, frontier_markdown, frontier_plot,
-                         frontier_summary, measure_speed, oracle_curve, oracle_stop_times, sweep_curve, _point)
+                         frontier_summary, measure_speed, oracle_curve, sweep_curve, _point)
 from .loop import FixedDepth, StoppingModel, tree_cat, tree_leaves, tree_map
 from .objectives import MethodConfig, StageConfig
 from .rules import SIGNALS, SignalRule, first_crossing
@@ -126,6 +126,30 @@ class StoppingApp:
 
     def seed(self, cfg: Any) -> int:
         return int(getattr(cfg, "seed", 0))
+
+
+@torch.no_grad()
+def oracle_min_step(sm: StoppingModel, task: Any, method: MethodConfig, min_mass: float, device, last: int | None = None) -> int:
+    """First step whose mean validation oracle mass (with the method's prior and price) exceeds ``min_mass``.
+
+    Earlier steps are (almost) never the oracle's choice, so a policy with ``min_step`` set to this is
+    not even asked there: an explicit, reported minimum depth (the release applies the same cut silently).
+    ``last`` caps the result (e.g. T - 1 so that the policy is asked at least once).
+    """
+    from .distributions import log_oracle_distribution
+
+    if min_mass <= 0:
+        return 1
+    sm.eval()
+    prior = StageConfig(objective="stage2").inherit(method).model_log_prior(sm.model, device)
+    mass, n = torch.zeros(sm.num_steps, device=device), 0
+    for inputs, target in task.validation_batches(device):
+        r = sm.unroll(inputs, target, task.loss_fn, use_policy=False)
+        mass += log_oracle_distribution(r.losses, method.beta, prior).exp().sum(0)
+        n += r.losses.shape[0]
+    above = (mass / n > min_mass).nonzero()
+    first = int(above[0]) + 1 if above.numel() else sm.num_steps
+    return min(first, last) if last is not None else first
 
 
 def _trainer(app: StoppingApp, cfg, run, key: str, sm: StoppingModel) -> StagedTrainer:

@@ -93,6 +93,22 @@ class RunContext:
             print(message, flush=True)
 
 
+def as_run(run: "RunContext | str | Path") -> "RunContext":
+    """A RunContext for a folder given as a path (the Python API), or the one the CLI made."""
+    return run if isinstance(run, RunContext) else RunContext(Path(run))
+
+
+def train_pipeline(app: Any, cfg: Any, run: "RunContext | str | Path", note: str = "") -> dict:
+    """The ``train`` command of every task: check and lock the run directory, then the core pipeline."""
+    from ..core.pipeline import run_pipeline
+
+    run = as_run(run)
+    run.prepare(cfg)
+    if note:
+        run.log(note)
+    return run_pipeline(app, cfg, run)
+
+
 @dataclass
 class TaskSpec:
     """An application as the CLI sees it."""

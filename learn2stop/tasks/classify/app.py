@@ -22,14 +22,14 @@ from torch.nn import functional as F
 
 from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, derive_seed
 from ...core.evaluation import collect_trace, evaluate_rule
-from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage, run_pipeline, stop_model_trace
-from ...core.rules import ConfidenceSignal, EntropySignal, PatienceSignal, SignalRule, first_crossing
+from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage, stop_model_trace
+from ...core.rules import ConfidenceSignal, EntropySignal, PatienceSignal, first_crossing
 from ...core.calibration import calibrate_budget
-from ...utils.config import ConfigError, one_of, positive, require
+from ...utils.config import ConfigError, one_of, require
 from ...utils.report import markdown_table, write_json
-from ..base import RunContext, TaskSpec, register_task
+from ..base import TaskSpec, as_run, register_task, train_pipeline
 from .data import Augment, ImageDataError, ImageSet, channel_stats, list_datasets, load_dataset, load_image_file, \
-    load_image_folder, normalize, split_validation
+    normalize, split_validation
 from .models import VGG_CONFIGS, build_vgg, exit_flops, full_network_flops
 from .policy import ExitPolicy
 
@@ -267,24 +267,18 @@ class ClassifyApp(StoppingApp):
 APP = ClassifyApp()
 
 
-def _as_run(run) -> RunContext:
-    return run if isinstance(run, RunContext) else RunContext(Path(run))
-
 
 # ----------------------------------------------------------------------------- commands
 def train(cfg: ClassifyConfig, run) -> dict:
-    run = _as_run(run)
-    run.prepare(cfg)
     imgs = APP.images(cfg)
-    run.log(f"classify: {len(imgs.train)} train / {len(imgs.val)} validation / {len(imgs.test)} test images, "
-            f"{len(imgs.classes)} classes, {cfg.data.size}x{cfg.data.size}")
-    return run_pipeline(APP, cfg, run)
+    return train_pipeline(APP, cfg, run, f"classify: {len(imgs.train)} train / {len(imgs.val)} validation / "
+                          f"{len(imgs.test)} test images, {len(imgs.classes)} classes, {cfg.data.size}x{cfg.data.size}")
 
 
 @torch.no_grad()
 def evaluate(cfg: ClassifyConfig, run) -> dict:
     """Table 7: every training's accuracy per exit, oracle exit, and the rules at equal FLOPs."""
-    run = _as_run(run)
+    run = as_run(run)
     dev, metric = run.device, APP.metric(cfg)
     test = APP.eval_batches(cfg, "test", dev)
     rows, result = [], {"per_exit": {}}
@@ -341,7 +335,7 @@ def evaluate(cfg: ClassifyConfig, run) -> dict:
 @torch.no_grad()
 def predict(cfg: ClassifyConfig, run) -> dict:
     """An image file or folder in: class, exit step and FLOPs spent per image out (``predictions.json``)."""
-    run = _as_run(run)
+    run = as_run(run)
     src = Path(cfg.predict.input)
     if not cfg.predict.input or not src.exists():
         raise ConfigError(f"predict.input: give an image file or folder; got {cfg.predict.input!r}")
@@ -374,7 +368,7 @@ def reproduce(cfg: ClassifyConfig, run) -> dict:
     """Train every network, Table 7, then the frontier."""
     from ...core.pipeline import frontier_command
 
-    run = _as_run(run)
+    run = as_run(run)
     train(cfg, run)
     out = evaluate(cfg, run)
     out["frontier"] = frontier_command(APP, cfg, run)["summary"]

@@ -20,14 +20,13 @@ from typing import Any
 
 import torch
 
-from ...core import FixedDepth, MethodConfig, Metric, StageConfig, StoppingModel, derive_seed
-from ...core import log_oracle_distribution, run_with_early_exit
+from ...core import FixedDepth, Metric, StoppingModel, derive_seed, run_with_early_exit
 from ...core.evaluation import collect_trace, evaluate_rule
-from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage, run_pipeline
+from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage, oracle_min_step
 from ...core.rules import ToleranceSignal
 from ...utils.config import ConfigError, to_dict
 from ...utils.report import write_json
-from ..base import RunContext, TaskSpec, register_task
+from ..base import RunContext, TaskSpec, as_run, register_task, train_pipeline
 from .data import ImageDataError, add_noise, list_images, load_image, save_image
 from .metrics import bm3d_scores, comparison_examples, comparison_figure, ms_per_image, psnr, summarise, table6
 from .models import DeepSupervisedDnCNN
@@ -36,23 +35,6 @@ from .task import PRESETS, DenoiseAppConfig, DenoiseTask, NoisyImage, eval_sampl
 from .task import DataConfig, DenoiseCommandConfig, EvalConfig, ModelConfig  # noqa: F401  (the config's parts, re-exported)
 
 # ----------------------------------------------------------------------------- the app
-@torch.no_grad()
-def choose_min_step(sm: StoppingModel, task: DenoiseTask, method: MethodConfig, min_mass: float, device) -> int:
-    """First exit whose mean validation oracle mass (with the method's prior and price) exceeds ``min_mass``.
-
-    Earlier exits are (almost) never the oracle's choice, so the policy is not asked there at all.
-    """
-    if min_mass <= 0:
-        return 1
-    sm.eval()
-    prior = StageConfig(objective="stage2").inherit(method).model_log_prior(sm.model, device)
-    mass, n = torch.zeros(sm.num_steps, device=device), 0
-    for noisy, clean in task.validation_batches(device):
-        r = sm.unroll(noisy, clean, task.loss_fn, use_policy=False)
-        mass += log_oracle_distribution(r.losses, method.beta, prior).exp().sum(0)
-        n += noisy.shape[0]
-    above = (mass / n > min_mass).nonzero()
-    return min(int(above[0]) + 1 if above.numel() else sm.num_steps, sm.num_steps - 1)
 
 
 class DenoiseApp(StoppingApp):
@@ -109,7 +91,8 @@ class DenoiseApp(StoppingApp):
 
         def min_step(models, app, cfg, run):
             sm = models["stop"]
-            sm.policy.min_step = choose_min_step(sm, self.task(cfg), app.method(cfg), cfg.model.policy_min_mass, run.device)
+            sm.policy.min_step = oracle_min_step(sm, self.task(cfg), app.method(cfg), cfg.model.policy_min_mass, run.device,
+                                                   last=sm.num_steps - 1)
             if sm.policy.min_step > 1:
                 run.log(f"      policy asked from exit {sm.policy.min_step} (oracle mass below "
                         f"{cfg.model.policy_min_mass} before it)")
@@ -142,23 +125,18 @@ class DenoiseApp(StoppingApp):
 APP = DenoiseApp()
 
 
-def _as_run(run: RunContext | str | Path) -> RunContext:
-    return run if isinstance(run, RunContext) else RunContext(Path(run))
-
 
 # ----------------------------------------------------------------------------- commands
 def train(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
     """DnCNN baseline, exits warm-up, Stage I and Stage II (and optional Stage III) for DnCNN-stop; resumable."""
-    run = _as_run(run)
-    run.prepare(cfg)
-    run.log(f"denoise: {len(APP.task(cfg).bank)} distinct {cfg.data.patch_size}x{cfg.data.patch_size} training "
-            f"patches (x8 symmetries); {len(APP.eval_set(cfg, 'val')) // len(cfg.eval.sigmas)} validation images")
-    return run_pipeline(APP, cfg, run)
+    return train_pipeline(APP, cfg, run, f"denoise: {len(APP.task(cfg).bank)} distinct {cfg.data.patch_size}x"
+                          f"{cfg.data.patch_size} training patches (x8 symmetries); "
+                          f"{len(APP.eval_set(cfg, 'val')) // len(cfg.eval.sigmas)} validation images")
 
 
 def evaluate(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
     """PSNR per image and sigma of DnCNN, DnCNN-stop (real early exit, deployed rule) and BM3D: Table 6."""
-    run = _as_run(run)
+    run = as_run(run)
     dev, metric, items = run.device, APP.metric(cfg), APP.eval_set(cfg, "test")
     batches = APP.eval_batches(cfg, "test", dev)
     sm = load_stage(APP, cfg, run.run_dir, APP.stop_stage, dev)
@@ -198,7 +176,7 @@ def evaluate(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
 
 def reproduce(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
     """Train everything (resuming what exists), then evaluate (Table 6 and the figure)."""
-    run = _as_run(run)
+    run = as_run(run)
     t0 = time.perf_counter()
     out = {"training": train(cfg, run)}
     out.update(evaluate(cfg, run))
@@ -208,7 +186,7 @@ def reproduce(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
 
 def denoise_files(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
     """Denoise an image file or every image of a folder with the deployed rule; write PNGs and depths."""
-    run = _as_run(run)
+    run = as_run(run)
     c = cfg.denoise
     if not c.input:
         raise ConfigError("denoise.input: give an image file or folder (--denoise.input PATH)")

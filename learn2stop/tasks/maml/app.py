@@ -19,11 +19,11 @@ import torch
 from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, ToleranceSignal
 from ...core.evaluation import collect_trace, evaluate_rule
 from ...core.loop import FixedDepth
-from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage, run_pipeline
+from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage
 from ...core.trainer import derive_seed
 from ...utils.config import from_dict, merge, require, to_dict
 from ...utils.report import write_json
-from ..base import RunContext
+from ..base import RunContext, as_run, train_pipeline
 from .models import ModelConfig, build, loss_kind, query_metric, step_view
 from .task import (Data, DataConfig, MetaLearningTask, fixed_batches, plot_stop_by_shot, require_ints, results_markdown,
                    stop_steps_by_shot, summarize, to_device)
@@ -186,16 +186,11 @@ class MAMLApp(StoppingApp):
 APP = MAMLApp()
 
 
-def _as_run(run: RunContext | str | Path) -> RunContext:
-    return run if isinstance(run, RunContext) else RunContext(Path(run))
-
 
 # ----------------------------------------------------------------------------- commands
 def train(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
     """Train MAML (baseline) and MAML-stop (Stage I, then Stage II) with equal meta-iterations; resumable."""
-    run = _as_run(run)
-    run.prepare(cfg)
-    return run_pipeline(APP, cfg, run)
+    return train_pipeline(APP, cfg, run)
 
 
 def evaluate(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
@@ -203,7 +198,7 @@ def evaluate(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
 
     MAML-stop really stops with the deployed rule (the run's calibration if any, else ``inference``).
     """
-    run = _as_run(run)
+    run = as_run(run)
     dev, metric, T = run.device, APP.metric(cfg), cfg.model.inner_steps
     base = load_stage(APP, cfg, run.run_dir, "baseline", dev)
     stop = load_stage(APP, cfg, run.run_dir, APP.stop_stage, dev)
@@ -246,6 +241,6 @@ def evaluate(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
 
 def reproduce(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
     """Train both methods (resuming what exists), then evaluate them on the same test tasks."""
-    run = _as_run(run)
+    run = as_run(run)
     train(cfg, run)
     return evaluate(cfg, run)

@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
-from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, log_oracle_distribution
+from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel
 from ...core.evaluation import collect_trace, evaluate_rule
 from ...core.loop import unroll
-from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage, run_pipeline, stop_model_trace
+from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage, oracle_min_step, stop_model_trace
 from ...core.rules import ToleranceSignal
 from ...utils.config import from_dict, merge, non_empty, one_of, positive, require, to_dict
 from ...utils.report import markdown_table, write_json
-from ..base import RunContext, TaskSpec, register_task
+from ..base import RunContext, TaskSpec, as_run, register_task, train_pipeline
 from .models import FISTA, ISTA, LISTA
 from .policy import SparseStopPolicy
 from .problem import ProblemConfig, SparseBatch
@@ -206,24 +206,6 @@ def preset(name: str = "quick", **overrides: Any) -> SparseConfig:
 
 
 # ----------------------------------------------------------------------------- the pipeline
-@torch.no_grad()
-def choose_min_step(sm: StoppingModel, task: SparseRecoveryTask, method: MethodConfig, min_mass: float, device) -> int:
-    """First step whose mean validation oracle mass (with the method's prior and price) exceeds ``min_mass``.
-
-    Earlier steps are never the oracle's choice, so the policy is not evaluated there: an
-    explicit, reported minimum depth (the release applies the same cut silently).
-    """
-    if min_mass <= 0:
-        return 1
-    sm.eval()
-    prior = StageConfig(objective="stage2").inherit(method).model_log_prior(sm.model, device)
-    mass, n = torch.zeros(sm.num_steps, device=device), 0
-    for y, x in task.validation_batches(device):
-        r = sm.unroll(y, x, task.loss_fn, use_policy=False)
-        mass += log_oracle_distribution(r.losses, method.beta, prior).exp().sum(0)
-        n += y.shape[0]
-    above = (mass / n > min_mass).nonzero()
-    return int(above[0]) + 1 if above.numel() else sm.num_steps
 
 
 class SparseApp(StoppingApp):
@@ -255,7 +237,7 @@ class SparseApp(StoppingApp):
     def stages(self, cfg: SparseConfig) -> list[Stage]:
         def min_step(models, app, cfg, run):
             sm = models["stop"]
-            sm.policy.min_step = choose_min_step(sm, self.task(cfg), app.method(cfg), cfg.policy.min_mass, run.device)
+            sm.policy.min_step = oracle_min_step(sm, self.task(cfg), app.method(cfg), cfg.policy.min_mass, run.device)
             run.log(f"      policy evaluated from step {sm.policy.min_step} (oracle mass below {cfg.policy.min_mass} before it)")
 
         stages = [Stage("baseline", "baseline", cfg.baseline, describe="LISTA: sum_t gamma^(T-t) ||x_t - x*||^2"),
@@ -298,16 +280,11 @@ def build_lista_stop(cfg: SparseConfig, task: SparseRecoveryTask | None = None, 
     return APP.build_models(cfg, "cpu")["stop" if with_policy else "baseline"]
 
 
-def _as_run(run: RunContext | str | Path) -> RunContext:
-    return run if isinstance(run, RunContext) else RunContext(Path(run))
-
 
 # ----------------------------------------------------------------------------- commands
 def train(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
     """Train LISTA (baseline), LISTA-stop (Stage I, II and optionally III) and AEVB; resumable."""
-    run = _as_run(run)
-    run.prepare(cfg)
-    return run_pipeline(APP, cfg, run)
+    return train_pipeline(APP, cfg, run)
 
 
 @torch.no_grad()
@@ -348,7 +325,7 @@ def evaluate(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
     The stop models run real early exit with the deployed rule (the run's calibration if any,
     else ``inference``).
     """
-    run = _as_run(run)
+    run = as_run(run)
     dev, task, metric = run.device, APP.task(cfg), APP.metric(cfg)
     test, batches, T = APP.task(cfg).test, APP.eval_batches(cfg, "test", dev), cfg.lista.num_steps
     results: dict[str, Any] = {"rows": {}, "depth": {}, "classical": {}}
@@ -420,7 +397,7 @@ def _stop_distribution(sm: StoppingModel, batches, device) -> torch.Tensor:
 
 def reproduce(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
     """Train everything (resuming what exists), then evaluate: Tables 1-2 and Figure 4."""
-    run = _as_run(run)
+    run = as_run(run)
     t0 = time.perf_counter()
     train(cfg, run)
     results = evaluate(cfg, run)
