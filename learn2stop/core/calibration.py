@@ -126,9 +126,6 @@ class Calibration:
     calibration: dict = field(default_factory=dict)
     test: dict = field(default_factory=dict)
 
-    def inference(self) -> InferenceConfig:
-        return InferenceConfig(rule=self.rule, param=self.param if math.isfinite(self.param) else 1.0)
-
     def make_rule(self, policy=None, key=None):
         return SignalRule(SIGNALS[self.rule](policy) if SIGNALS[self.rule].needs_policy else SIGNALS[self.rule](key),
                           self.threshold)

@@ -96,8 +96,8 @@ def validation_scores(sm: StoppingModel, batches: Iterable[tuple[Any, Any]], los
             if inference.uses_policy:
                 stop = inference.stop_times(r, gen)
             else:
-                stop = first_crossing(signal_trace(inference.signal(sm.policy), r.step_outputs, inputs),
-                                      inference.signal(sm.policy).from_param(inference.param))
+                signal = inference.signal(sm.policy)
+                stop = first_crossing(signal_trace(signal, r.step_outputs, inputs), signal.from_param(inference.param))
             totals["policy"] += float(priced.gather(1, stop[:, None] - 1).sum())
             totals["depth"] += float(stop.float().sum())
         n += b

@@ -124,9 +124,6 @@ class TaskSpec:
 
 TASKS: Registry[TaskSpec] = Registry("task")
 
-#: commands that only read a trained run (they never write config.yaml)
-READ_ONLY = ("evaluate", "calibrate", "frontier")
-
 
 def register_task(spec: TaskSpec) -> TaskSpec:
     """Register a task; a task with a :class:`StoppingApp` gets ``calibrate`` and ``frontier`` too."""

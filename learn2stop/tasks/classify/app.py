@@ -23,7 +23,7 @@ from torch.nn import functional as F
 from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, derive_seed
 from ...core.evaluation import collect_trace, evaluate_rule
 from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage, stop_model_trace
-from ...core.rules import ConfidenceSignal, EntropySignal, PatienceSignal, first_crossing
+from ...core.rules import SIGNALS, ConfidenceSignal, EntropySignal, PatienceSignal, first_crossing
 from ...core.calibration import calibrate_budget
 from ...utils.config import ConfigError, one_of, require
 from ...utils.report import markdown_table, write_json
@@ -302,12 +302,11 @@ def evaluate(cfg: ClassifyConfig, run) -> dict:
     for name, network in (("policy", "stage2"), ("confidence", "stage2"), ("confidence", "sdn"), ("entropy", "stage2"),
                           ("patience", "stage2")):
         trace = traces[network][0]
-        signal = APP.classical_signals(cfg)[name]() if name != "policy" else None
         key = "quantile" if name == "policy" else name
         vtrace = val if network == "stage2" else collect_trace(traces[network][1].model, APP.eval_batches(cfg, "val", dev),
                                                                metric, dev, signals={name: APP.classical_signals(cfg)[name]})
         cal = calibrate_budget(vtrace.signals[key], vtrace.costs, cfg.table_budget, key,
-                               (signal or ConfidenceSignal()).to_param)
+                               SIGNALS[key].to_param)
         stops = first_crossing(trace.signals[key], cal.threshold)
         rule_rows.append([f"{name} on {'Stage I' if network == 'stage2' else 'SDN'} network", cfg.table_budget,
                           metric(trace.at(stops)), float(flops[stops - 1].mean() / full_flops) * 100,

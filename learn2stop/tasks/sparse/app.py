@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel
+from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, stop_time_distribution
 from ...core.evaluation import collect_trace, evaluate_rule
 from ...core.loop import unroll
 from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage, oracle_min_step, stop_model_trace
@@ -368,7 +368,7 @@ def evaluate(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
             results["rows"][f"LISTA-stop (T<={T})"] = results["rows"][label]
             results["depth"][f"LISTA-stop (T<={T})"] = results["depth"][label]
             trace = stop_model_trace(APP, cfg, sm, "test", dev, with_classical=False)
-            errs_main, q_main = trace.metric, _stop_distribution(sm, batches, dev)
+            errs_main, q_main = trace.metric, stop_time_distribution(trace.signals["threshold"])  # pi_t -> q_phi
             results["oracle_nmse"] = _nmse_from_errors(errs_main.min(dim=1).values, test)  # needs x*: a bound
             results["min_step"] = int(sm.policy.min_step)
 
@@ -385,14 +385,6 @@ def evaluate(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
         run.log(f"\nwritten: {run.run_dir}/table1.md, table2.md, results.json, fig4_stop_distribution.png, fig4_convergence.png")
     return results
 
-
-@torch.no_grad()
-def _stop_distribution(sm: StoppingModel, batches, device) -> torch.Tensor:
-    """q_phi(t | y) of every test sample (N, T), for Figure 4a."""
-    from ...core import log_stop_time_distribution
-
-    return torch.cat([log_stop_time_distribution(unroll(sm.model, y, policy=sm.policy, model_grad=False).stop_logits).exp().cpu()
-                      for y, _ in batches])
 
 
 def reproduce(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
