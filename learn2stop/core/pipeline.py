@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from ..utils.config import ConfigError
-from ..utils.report import write_json
+from ..utils.report import write_json, write_text_atomic
 from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rule, calibrate_budget, calibrate_risk,
                           check_budget, check_risk, save_calibration)
 from .evaluation import (Metric, Trace, budget_curve, collect_trace, fixed_depth_curve, frontier_markdown, frontier_plot,
@@ -266,37 +266,35 @@ def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5,
     val = stop_model_trace(app, cfg, sm, "val", dev) if sm.policy is not None else None
     T = test.num_steps
     N = test.metric.shape[0]
-    curves: dict[str, list[dict]] = {"fixed_depth": fixed_depth_curve(test, metric)}
-    rules: dict[str, Callable[[dict], Callable]] = {"fixed_depth": lambda p: (lambda: FixedDepth(p["depth"]))}
+    curves: dict[str, list[dict]] = {}
+    how: dict[str, tuple[Callable[[dict], Callable], Any]] = {}  # curve -> (point -> rule factory, model to time)
+
+    def network(prefix: str, trace: Trace, model: Any) -> None:
+        """A network's fixed depths, and the classical rules swept when its trace has their scores."""
+        curves[f"{prefix}fixed_depth"] = fixed_depth_curve(trace, metric)
+        how[f"{prefix}fixed_depth"] = (lambda p: (lambda: FixedDepth(p["depth"])), model)
+        for name, factory in app.classical_signals(cfg).items():
+            if name in trace.signals:
+                curves[prefix + name] = sweep_curve(trace, metric, trace.signals[name], factory())
+                how[prefix + name] = (lambda p, f=factory: (lambda: SignalRule(f(), p["threshold"])), model)
+
+    network("", test, sm.model)
     base = None
     if app.baseline_stage and (Path(run.run_dir) / "checkpoints" / f"{app.baseline_stage}.pt").is_file():
         base = load_stage(app, cfg, run.run_dir, app.baseline_stage, dev)
         if base.num_steps > 1:
-            btrace = collect_trace(base.model, app.eval_batches(cfg, "test", dev), metric, dev, extras=app.trace_extras(cfg))
-            curves["baseline_fixed_depth"] = fixed_depth_curve(btrace, metric)
-            rules["baseline_fixed_depth"] = lambda p: (lambda: FixedDepth(p["depth"]))
-    for name, factory in app.classical_signals(cfg).items():
-        curves[name] = sweep_curve(test, metric, test.signals[name], factory())
-        rules[name] = lambda p, f=factory: (lambda: SignalRule(f(), p["threshold"]))
-    model_of: dict[str, Any] = {}
+            network("baseline_", collect_trace(base.model, app.eval_batches(cfg, "test", dev), metric, dev,
+                                               extras=app.trace_extras(cfg)), base.model)
     for prefix, stage in app.frontier_also.items():
         other = load_stage(app, cfg, run.run_dir, stage, dev)
-        otrace = collect_trace(other.model, app.eval_batches(cfg, "test", dev), metric, dev,
-                               signals=app.classical_signals(cfg), extras=app.trace_extras(cfg))
-        curves[f"{prefix}_fixed_depth"] = fixed_depth_curve(otrace, metric)
-        rules[f"{prefix}_fixed_depth"] = rules["fixed_depth"]
-        model_of[f"{prefix}_fixed_depth"] = other.model
-        for name, factory in app.classical_signals(cfg).items():
-            curves[f"{prefix}_{name}"] = sweep_curve(otrace, metric, otrace.signals[name], factory())
-            rules[f"{prefix}_{name}"] = rules[name]
-            model_of[f"{prefix}_{name}"] = other.model
+        network(f"{prefix}_", collect_trace(other.model, app.eval_batches(cfg, "test", dev), metric, dev,
+                                            signals=app.classical_signals(cfg), extras=app.trace_extras(cfg)), other.model)
     if sm.policy is not None:
-        rule = app.inference(cfg).rule if app.inference(cfg).rule in POLICY_RULES else "quantile"
-        curves["policy"] = budget_curve(test, metric, val, rule, SIGNALS[rule](sm.policy), budgets, app.budget_by)
-        rules["policy"] = lambda p, r=rule: (lambda: SignalRule(SIGNALS[r](sm.policy), p["threshold"]))
-        other = "threshold" if rule == "quantile" else "quantile"
-        curves[f"policy_{other}"] = budget_curve(test, metric, val, other, SIGNALS[other](sm.policy), budgets, app.budget_by)
-        rules[f"policy_{other}"] = lambda p, r=other: (lambda: SignalRule(SIGNALS[r](sm.policy), p["threshold"]))
+        main = app.inference(cfg).rule if app.inference(cfg).rule in POLICY_RULES else "quantile"
+        for rule in (main, *(r for r in POLICY_RULES if r != main)):
+            name = "policy" if rule == main else f"policy_{rule}"
+            curves[name] = budget_curve(test, metric, val, rule, SIGNALS[rule](sm.policy), budgets, app.budget_by)
+            how[name] = (lambda p, r=rule: (lambda: SignalRule(SIGNALS[r](sm.policy), p["threshold"])), sm.model)
     curves["oracle"] = oracle_curve(test, metric)
     full = _point(test, metric, torch.full((N,), T, dtype=torch.long))
     run.log(f"frontier: traces of {N} test samples in {time.perf_counter() - t0:.1f}s; measuring speeds")
@@ -307,13 +305,11 @@ def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5,
         bn = min(app.speed_batch, n_in)
         one = tree_map(lambda x: x[:min(app.speed_samples, n_in)], inputs)
         big = tree_map(lambda x: x[:bn * max(1, min(n_in // bn, 3))], inputs)
-        model_of["baseline_fixed_depth"] = base.model if base is not None else None
         jobs = [(full, lambda: FixedDepth(), sm.model)]
         asked: dict = {}
         if sm.policy is not None:  # the policy's own cost: asked at every step, never stopping
             jobs.append((asked, lambda: SignalRule(SIGNALS["quantile"](sm.policy), math.inf), sm.model))
-        jobs += [(p, rules[name](p), model_of.get(name) or sm.model)
-                 for name, pts in curves.items() if name in rules for p in pts]
+        jobs += [(p, how[name][0](p), how[name][1]) for name, pts in curves.items() if name in how for p in pts]
         # Round-robin passes, best of three per point: a drift in the machine's load hits every point alike.
         for key, data, size in (("samples_per_s_batch1", one, 1), ("samples_per_s_batchN", big, bn)):
             for _ in range(3):
@@ -336,7 +332,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5,
     if run.ctx.is_main:
         out = Path(run.run_dir)
         write_json(result, out / "frontier.json")
-        (out / "frontier.md").write_text(frontier_markdown(result) + "\n")
+        write_text_atomic(out / "frontier.md", frontier_markdown(result) + "\n")
         frontier_plot(result, out / "frontier.png", x="mean_cost" if app.budget_by == "cost" else "mean_steps")
         run.log(frontier_markdown(result))
     return result
