@@ -75,3 +75,36 @@ def test_yaml_config_and_print_config(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["sparse", "train", "--config", str(bad)])
     assert "not valid YAML" in capsys.readouterr().err
+
+
+def test_paper_cpu_preset_trains_equal_budget_lista_and_reports_training_curves(tmp_path, capsys):
+    """paper-cpu's extra pieces on a tiny problem: LISTA trained on for Stage I's iterations (an equal
+    budget), AEVB from LISTA's weights, each cell beside the paper's, NMSE against training time."""
+    from learn2stop.tasks.sparse import preset
+    from learn2stop.tasks.sparse.app import APP, equal_budget_config
+
+    cfg = preset("paper-cpu")
+    stages = {s.name: s for s in APP.stages(cfg)}
+    assert stages["lista_equal"].init_from == "baseline" and stages["aevb"].init_from == "baseline"
+    eq = equal_budget_config(cfg)
+    assert (eq.objective, eq.select) == ("deep_supervision", "last")
+    assert (eq.iterations, eq.batch_size, eq.lr, eq.lr_schedule) == (cfg.stage1.iterations, cfg.stage1.batch_size,
+                                                                     cfg.stage1.lr, cfg.stage1.lr_schedule)
+    run = tmp_path / "run"
+    assert main(["sparse", "reproduce", "--preset", "paper-cpu", "--run-dir", str(run), "--no-progress", *TINY,
+                 "--stage1.iterations", "18"]) == 0
+    res = json.loads((run / "results.json").read_text())
+    assert "LISTA (T=5), equal budget" in res["rows"]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["iteration"] for r in records if r["stage"] == "lista_equal") == 18  # Stage I's iterations
+    curves = res["training_curve"]
+    n_base = sum(r["stage"] == "baseline" for r in records)
+    assert len(curves["LISTA"]) == n_base + sum(r["stage"] == "lista_equal" for r in records)
+    assert len(curves["LISTA-stop"]) == n_base + sum(r["stage"] in ("stage1", "stage2", "stage3") for r in records)
+    for pts in curves.values():
+        times = [t for t, _ in pts]
+        assert times == sorted(times) and all(v == v and v < 0 for _, v in pts)  # cumulative seconds; finite dB
+    assert curves["LISTA"][n_base - 1] == curves["LISTA-stop"][n_base - 1]  # the baseline is shared
+    assert (run / "training_curve.png").is_file()
+    table1 = (run / "table1.md").read_text()
+    assert "(-17.53)" in table1 and "(-16.53)" in table1 and "equal budget" in table1  # LISTA's paper cells, mixed and SNR 20

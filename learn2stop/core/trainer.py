@@ -255,7 +255,8 @@ class StagedTrainer:
                     if self.ctx.is_main:
                         save_checkpoint({"stage": name, "iteration": done, "weights": best_state}, best_path)
                 self._log({"stage": name, "iteration": done, "train_loss": loss_value, **metrics,
-                           **{f"val_{k}": v for k, v in scores.items()}, "lr": cfg.lr_at(it)})
+                           **{f"val_{k}": v for k, v in scores.items()}, "lr": cfg.lr_at(it),
+                           "seconds": round(elapsed + time.perf_counter() - t0, 2)})  # the stage's time so far
             if done % cfg.checkpoint_every == 0 and done < cfg.iterations:
                 elapsed += time.perf_counter() - t0
                 t0 = time.perf_counter()
