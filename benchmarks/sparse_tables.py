@@ -1,7 +1,7 @@
 """Reproduce the paper's Tables 1 and 2 (sparse recovery) and print them beside the paper's numbers.
 
     python benchmarks/sparse_tables.py --preset fast       # the paper's problem, 22 min measured (--threads 1)
-    python benchmarks/sparse_tables.py --preset paper-cpu  # Table 1's accuracy on 2 CPU cores (about 75 min)
+    python benchmarks/sparse_tables.py --preset paper-cpu  # Table 1's accuracy on 2 CPU cores (66 min measured)
     python benchmarks/sparse_tables.py --preset paper    # the paper's full schedule (days on CPU; GPU advised)
 
 Presets (see learn2stop/tasks/sparse/app.py): ``paper`` = the paper's settings (100k/50k/40k iterations

@@ -204,13 +204,14 @@ PRESETS: dict[str, dict] = {
         "method": {"beta": 0.28, "price": 0.5},
     },
 }
-# The paper's problem and Table 1's accuracy in about 75 min on 2 CPU cores (issue 10), all stages and baselines:
+# The paper's problem at Table 1's accuracy on 2 CPU cores (issue 10): 66 min measured, all stages and baselines:
 # - LISTA: batch 512, Adam 1e-3 with cosine decay, 12k iterations. Length is what the 1500 iterations of
 #   ``fast`` lacked: 13k such iterations reach -23.1 dB mixed (H200 sweep; lr 2e-3 diverges, 5e-4 is slower).
 # - Stage I from LISTA's weights, marginal form, beta 0.05: a sharp oracle lets the steps specialise by noise
 #   level (SNR 20's best step moves to ~15 while the last steps sharpen for SNR 30/40).
 # - ``lista_equal``: LISTA trained on for Stage I's iterations, the baseline at LISTA-stop's theta budget.
 # - AEVB from LISTA's weights, so it is compared with Stage I+II from the same start.
+# Measured (README): LISTA-stop -23.49 dB mixed (paper -22.41); SNR 20 -19.48 misses the paper's -20.29.
 PRESETS["paper-cpu"] = {
     "stage1_init": "baseline", "aevb_init": "baseline", "equal_budget": True,
     "method": {"beta": 0.05},
