@@ -54,14 +54,25 @@ def non_negative(value: float, field: str) -> None:
     require(_is_number(value) and math.isfinite(value) and value >= 0, field, f"must be >= 0; got {value!r}")
 
 
+def int_at_least(value: int, field: str, least: int) -> None:
+    """An integer >= ``least`` (a bool or a float such as 2.0 is refused)."""
+    require(_is_int(value) and value >= least, field, f"must be an integer >= {least}; got {value!r}")
+
+
+def ints_at_least(cfg: Any, *names: str, least: int = 1, prefix: str = "") -> None:
+    """Each named field of ``cfg`` is an integer >= ``least``; errors name ``prefix + name``."""
+    for name in names:
+        int_at_least(getattr(cfg, name), prefix + name, least)
+
+
 def positive_int(value: int, field: str) -> None:
     """An integer >= 1 (a bool or a float such as 2.0 is refused)."""
-    require(_is_int(value) and value >= 1, field, f"must be an integer >= 1; got {value!r}")
+    int_at_least(value, field, 1)
 
 
 def non_negative_int(value: int, field: str) -> None:
     """An integer >= 0 (a bool or a float is refused)."""
-    require(_is_int(value) and value >= 0, field, f"must be an integer >= 0; got {value!r}")
+    int_at_least(value, field, 0)
 
 
 def in_open_unit(value: float, field: str) -> None:

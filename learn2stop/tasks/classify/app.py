@@ -25,7 +25,7 @@ from ...core.evaluation import collect_trace, evaluate_rule
 from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage, stop_model_trace
 from ...core.rules import SIGNALS, ConfidenceSignal, EntropySignal, PatienceSignal, first_crossing
 from ...core.calibration import calibrate_budget
-from ...utils.config import ConfigError, one_of, require
+from ...utils.config import ConfigError, int_at_least, one_of, require
 from ...utils.report import markdown_table, write_json
 from ..base import TaskSpec, as_run, register_task, train_pipeline
 from .data import Augment, ImageDataError, ImageSet, channel_stats, list_datasets, load_dataset, load_image_file, \
@@ -52,7 +52,7 @@ class DataConfig:
     def __post_init__(self):
         one_of(self.kind, SOURCES, "data.kind")
         require(0 < self.val_fraction < 1, "data.val_fraction", f"must be in (0, 1); got {self.val_fraction}")
-        require(isinstance(self.size, int) and self.size >= 8, "data.size", f"must be an integer >= 8; got {self.size!r}")
+        int_at_least(self.size, "data.size", 8)
         require(self.kind == "synthetic" or self.path != "", "data.path", f"needed for data.kind = {self.kind}")
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ...core import InferenceConfig, MethodConfig, StageConfig, derive_seed
-from ...utils.config import from_dict, merge, non_negative, one_of, positive, require, to_dict
+from ...utils.config import from_dict, int_at_least, ints_at_least, merge, non_negative, one_of, positive, require, to_dict
 from .data import ImageDataError, PatchBank, add_noise, load_folder, sample_sigmas, synthetic_images
 
 
@@ -39,13 +39,10 @@ class DataConfig:
 
     def __post_init__(self):
         require(0 < self.val_fraction < 1, "data.val_fraction", f"must be in (0, 1); got {self.val_fraction}")
-        for name in ("synthetic_train", "synthetic_test", "synthetic_size", "patch_size", "stride", "val_patches"):
-            require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"data.{name}",
-                    f"must be an integer >= 1; got {getattr(self, name)!r}")
+        ints_at_least(self, "synthetic_train", "synthetic_test", "synthetic_size", "patch_size", "stride", "val_patches",
+                      prefix="data.")
         require(self.synthetic_train >= 2, "data.synthetic_train", "needs >= 2 images (train and validation)")
-        for name in ("max_train_images", "max_test_images"):
-            require(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, f"data.{name}",
-                    f"must be an integer >= 0; got {getattr(self, name)!r}")
+        ints_at_least(self, "max_train_images", "max_test_images", least=0, prefix="data.")
         require(len(self.scales) > 0 and all(0 < s <= 4 for s in self.scales), "data.scales",
                 f"must be resize factors in (0, 4]; got {self.scales}")
         non_negative(self.sigma_max, "data.sigma_max")
@@ -74,10 +71,8 @@ class ModelConfig:
     policy_min_mass: float = 0.0
 
     def __post_init__(self):
-        require(isinstance(self.depth, int) and self.depth >= 3, "model.depth", f"must be an integer >= 3; got {self.depth!r}")
-        require(isinstance(self.channels, int) and self.channels >= 1, "model.channels", f"must be an integer >= 1; got {self.channels!r}")
-        require(isinstance(self.policy_hidden, int) and self.policy_hidden >= 1, "model.policy_hidden",
-                f"must be an integer >= 1; got {self.policy_hidden!r}")
+        int_at_least(self.depth, "model.depth", 3)
+        ints_at_least(self, "channels", "policy_hidden", prefix="model.")
         one_of(self.head_kernel, (1, 3), "model.head_kernel")
         require(0 <= self.policy_min_mass < 1, "model.policy_min_mass", f"must be in [0, 1); got {self.policy_min_mass}")
         require(all(1 <= p <= self.depth - 2 for p in self.outputs) and list(self.outputs) == sorted(set(self.outputs)),
@@ -105,11 +100,9 @@ class EvalConfig:
         require(len(self.sigmas) > 0 and all(s >= 0 for s in self.sigmas), "eval.sigmas",
                 f"noise levels must be >= 0; got {self.sigmas}")
         require(all(s >= 0 for s in self.figure_sigmas), "eval.figure_sigmas", f"must be >= 0; got {self.figure_sigmas}")
-        require(isinstance(self.bm3d_max_images, int) and self.bm3d_max_images >= 0, "eval.bm3d_max_images",
-                f"must be an integer >= 0; got {self.bm3d_max_images!r}")
+        int_at_least(self.bm3d_max_images, "eval.bm3d_max_images", 0)
         positive(self.crop, "eval.crop")
-        require(isinstance(self.timing_rounds, int) and self.timing_rounds >= 1, "eval.timing_rounds",
-                f"must be an integer >= 1; got {self.timing_rounds!r}")
+        int_at_least(self.timing_rounds, "eval.timing_rounds", 1)
 
 
 @dataclass

@@ -21,11 +21,11 @@ from ...core.evaluation import collect_trace, evaluate_rule
 from ...core.loop import FixedDepth
 from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage
 from ...core.trainer import derive_seed
-from ...utils.config import from_dict, merge, require, to_dict
+from ...utils.config import from_dict, ints_at_least, merge, require, to_dict
 from ...utils.report import write_json
 from ..base import RunContext, as_run, train_pipeline
 from .models import ModelConfig, build, loss_kind, query_metric, step_view
-from .task import (Data, DataConfig, MetaLearningTask, fixed_batches, plot_stop_by_shot, require_ints, results_markdown,
+from .task import (Data, DataConfig, MetaLearningTask, fixed_batches, plot_stop_by_shot, results_markdown,
                    stop_steps_by_shot, summarize, to_device)
 
 
@@ -41,7 +41,7 @@ class EvalConfig:
     per_step: bool = True
 
     def __post_init__(self):
-        require_ints(self, "tasks", "val_tasks", "chunk")
+        ints_at_least(self, "tasks", "val_tasks", "chunk")
 
 
 def _stage(**kw) -> Any:

@@ -24,7 +24,7 @@ from torch.func import grad, vmap
 
 from ...core.loop import StoppingModel, tree_leaves, tree_map
 from ...core.trainer import derive_seed
-from ...utils.config import one_of, positive, require
+from ...utils.config import ints_at_least, one_of, positive
 from ...utils.registry import Registry
 from .policy import MAMLStopPolicy
 
@@ -287,9 +287,7 @@ class ModelConfig:
 
     def __post_init__(self):
         one_of(self.network, NETWORKS.names(), "network")
-        for name in ("hidden", "inner_steps"):
-            v = getattr(self, name)
-            require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, f"must be an integer >= 1; got {v!r}")
+        ints_at_least(self, "hidden", "inner_steps")
         positive(self.inner_lr, "inner_lr")
 
 

@@ -10,19 +10,12 @@ import torch
 from torch import Tensor
 
 from ...core.loop import tree_map
-from ...utils.config import one_of, require
+from ...utils.config import ints_at_least, one_of, require
 from . import data as D
 from .models import MAMLModel, confidence_interval
 from .samplers import FewShotSampler, SinusoidSampler
 
 SOURCES = ("sinusoid", "omniglot_npz", "omniglot_folders", "miniimagenet")
-
-
-def require_ints(cfg: Any, *names: str, least: int = 1) -> None:
-    """Each named field of ``cfg`` is an integer >= ``least`` (a ConfigError naming the field otherwise)."""
-    for name in names:
-        v = getattr(cfg, name)
-        require(isinstance(v, int) and not isinstance(v, bool) and v >= least, name, f"must be an integer >= {least}; got {v!r}")
 
 
 @dataclass
@@ -51,10 +44,10 @@ class DataConfig:
 
     def __post_init__(self):
         one_of(self.source, SOURCES, "source")
-        require_ints(self, "k_min", "n_way", "query_per_class")
+        ints_at_least(self, "k_min", "n_way", "query_per_class")
         require(isinstance(self.k_max, int) and self.k_max >= self.k_min, "k_max",
                 f"must be an integer >= k_min = {self.k_min}; got {self.k_max!r}")
-        require_ints(self, "image_size", least=16)
+        ints_at_least(self, "image_size", least=16)
         require(self.noise >= 0, "noise", f"must be >= 0; got {self.noise}")
         if self.source != "sinusoid":
             require(self.path != "", "path", f"needed for source = {self.source}")

@@ -21,7 +21,7 @@ from ...core.evaluation import collect_trace, evaluate_rule
 from ...core.loop import unroll
 from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage, oracle_min_step, stop_model_trace
 from ...core.rules import ToleranceSignal
-from ...utils.config import from_dict, merge, non_empty, one_of, positive, require, to_dict
+from ...utils.config import from_dict, merge, non_empty, one_of, positive, positive_int, require, to_dict
 from ...utils.report import markdown_table, write_json
 from ..base import RunContext, TaskSpec, as_run, register_task, train_pipeline
 from .models import FISTA, ISTA, LISTA
@@ -52,7 +52,7 @@ class LISTAConfig:
     shrinkage: str = "soft"
 
     def __post_init__(self):
-        require(isinstance(self.num_steps, int) and self.num_steps >= 1, "num_steps", f"T must be an integer >= 1; got {self.num_steps!r}")
+        positive_int(self.num_steps, "num_steps")
         positive(self.L, "L")
         require(self.rho >= 0, "rho", f"must be >= 0; got {self.rho}")
         one_of(self.shrinkage, ("soft", "smooth"), "shrinkage")
@@ -73,8 +73,9 @@ class PolicyConfig:
 
     def __post_init__(self):
         one_of(self.features, ("sketch", "full"), "features")
-        require(isinstance(self.sketch_dim, int) and self.sketch_dim >= 1, "sketch_dim", "must be an integer >= 1")
-        require(all(isinstance(h, int) and h >= 1 for h in self.hidden), "hidden", f"widths must be integers >= 1; got {self.hidden}")
+        positive_int(self.sketch_dim, "sketch_dim")
+        for h in self.hidden:
+            positive_int(h, "hidden")
         require(0 <= self.min_mass < 1, "min_mass", f"must be in [0, 1); got {self.min_mass}")
 
 
@@ -136,7 +137,7 @@ class SparseConfig:
     eval_batch: int = 1000
 
     def __post_init__(self):
-        require(isinstance(self.eval_batch, int) and self.eval_batch >= 1, "eval_batch", "must be an integer >= 1")
+        positive_int(self.eval_batch, "eval_batch")
         one_of(self.stage1_init, ("ista", "baseline"), "stage1_init")
         one_of(self.aevb_init, ("ista", "baseline"), "aevb_init")
         for name in ("baseline", "stage1", "stage2", "stage3", "aevb"):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...utils.config import one_of, positive, require
+from ...utils.config import ints_at_least, one_of, positive, require
 
 
 @dataclass
@@ -33,15 +33,12 @@ class ProblemConfig:
     val_seed: int = 2
 
     def __post_init__(self):
-        require(isinstance(self.m, int) and self.m >= 1, "m", f"must be an integer >= 1; got {self.m!r}")
-        require(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1; got {self.n!r}")
+        ints_at_least(self, "m", "n", "test_per_snr", "val_per_snr")
         require(0 < self.sparsity <= 1, "sparsity", f"must be in (0, 1]; got {self.sparsity}")
         require(len(self.snrs) >= 1, "snrs", "needs at least one SNR level")
         one_of(self.matrix, ("gaussian", "cond5"), "matrix")
         positive(self.condition_number, "condition_number")
         require(self.condition_number >= 1, "condition_number", f"must be >= 1; got {self.condition_number}")
-        require(isinstance(self.test_per_snr, int) and self.test_per_snr >= 1, "test_per_snr", "must be an integer >= 1")
-        require(isinstance(self.val_per_snr, int) and self.val_per_snr >= 1, "val_per_snr", "must be an integer >= 1")
 
 
 def make_matrix(cfg: ProblemConfig) -> Tensor:
