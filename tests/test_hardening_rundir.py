@@ -299,3 +299,19 @@ def test_kill_9_mid_training_then_resume_is_bit_identical(tmp_path):
     assert len(keys) == len(set(keys))
     assert keys == [(r["stage"], r["iteration"]) for r in
                     (json.loads(l) for l in (clean / "metrics.jsonl").read_text().splitlines())]
+
+
+def test_read_jsonl_skips_a_torn_last_line_and_names_a_bad_middle_line(tmp_path):
+    from learn2stop.utils.report import append_jsonl, read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    assert read_jsonl(path) == []
+    append_jsonl(path, {"stage": "baseline", "iteration": 1})
+    append_jsonl(path, {"stage": "baseline", "iteration": 2})
+    with open(path, "a") as f:
+        f.write('{"stage": "base')  # killed mid-append
+    assert [r["iteration"] for r in read_jsonl(path)] == [1, 2]
+    with open(path, "a") as f:
+        f.write('\n{"stage": "stage1"}\n')
+    with pytest.raises(ValueError, match="line 3 is not JSON"):
+        read_jsonl(path)

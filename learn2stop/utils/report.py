@@ -74,6 +74,24 @@ def append_jsonl(path: str | Path, record: dict) -> None:
         os.fsync(f.fileno())
 
 
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a file written by :func:`append_jsonl` ([] if there is none); a torn last line
+    (a kill mid-append) is skipped, any other bad line is an error naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except ValueError as e:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}: line {i + 1} is not JSON ({e})") from None
+    return out
+
+
 def new_figure(*args, **kwargs):
     """A matplotlib figure on the headless Agg backend (never needs a screen)."""
     import matplotlib

@@ -499,16 +499,14 @@ def training_curves(cfg: SparseConfig, run_dir: str | Path) -> dict[str, list[li
     Each curve is a list of [seconds, dB]; with a price on steps the oracle and policy scores are priced,
     so only full-depth points are drawn. Records without ``seconds`` (older runs) give empty curves.
     """
-    import json
+    from ...utils.report import read_jsonl
 
-    path = Path(run_dir) / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
     by_stage: dict[str, list[dict]] = {}
-    for r in records:
+    for r in read_jsonl(Path(run_dir) / "metrics.jsonl"):
         if "seconds" in r:
             by_stage.setdefault(r["stage"], []).append(r)
     energy = float(APP.task(cfg).val.x.pow(2).sum(1).double().mean())
-    priced = bool(cfg.method.price) or any(getattr(cfg, s).price for s in ("stage1", "stage2", "stage3"))
+    priced = any(getattr(cfg, s).inherit(cfg.method).price for s in ("stage1", "stage2", "stage3"))
 
     def points(stage, key, offset):
         return [[offset + r["seconds"], 10 * math.log10(r[key] / energy)] for r in by_stage.get(stage, [])
