@@ -55,6 +55,27 @@ def log_stop_time_distribution(stop_logits: Tensor) -> Tensor:
     return log_survival + torch.cat([log_stop, last], dim=1)
 
 
+def stop_logits_from_distribution(log_q: Tensor) -> Tensor:
+    """The inverse of :func:`log_stop_time_distribution`: the stop logits that induce a given q_phi.
+
+    pi_t = q(t) / sum_{tau >= t} q(tau), so logit pi_t = log q(t) - log sum_{tau > t} q(tau). A policy
+    that predicts the whole stop-time distribution at once (a *planning* policy) is turned into the
+    sequential form every loss, rule and calibrator reads.
+
+    Args:
+        log_q: (B, T) log-probabilities (normalised or not: only their differences matter).
+    Returns:
+        (B, T-1) stop logits.
+
+    Example:
+        >>> stop_logits_from_distribution(torch.tensor([[0.5, 0.25, 0.25]]).log())
+        tensor([[0., 0.]])
+    """
+    _check_steps("log_q", log_q.clamp_min(-1e30))
+    tail = torch.logcumsumexp(log_q.flip(1), dim=1).flip(1)  # (B, T) log sum_{tau >= t} q(tau)
+    return log_q[:, :-1] - tail[:, 1:]
+
+
 def stop_time_distribution(stop_probs: Tensor) -> Tensor:
     """q_phi(t) from stop probabilities pi_1..pi_{T-1} in [0, 1] (paper Eq. 3), as a product.
 

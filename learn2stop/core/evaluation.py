@@ -268,6 +268,42 @@ def frontier_summary(curves: dict[str, list[dict]], metric: Metric, full_depth: 
             "gain_over_fixed_depth": gains}
 
 
+SPEED_KEYS = ("samples_per_s_batch1", "samples_per_s_batchN")
+
+
+def speed_at_quality(curves: dict[str, list[dict]], metric: Metric, target: dict) -> dict[str, dict]:
+    """How fast each curve runs where it first reaches ``target``'s metric (e.g. the baseline at full depth).
+
+    Along a curve sorted by mean steps, the first point at least as good as the target and the point before
+    it bracket the crossing; its mean steps and time per sample (at batch 1 and at the large batch) are
+    interpolated linearly in the metric. ``speedup_*`` is the ratio to the target's own speed. A curve that
+    never reaches the target says so (``reaches: False``, with its best metric).
+    """
+    out: dict[str, dict] = {}
+    goal = target["metric"]
+    for name, pts in curves.items():
+        pts = sorted(pts, key=lambda p: p["mean_steps"])
+        if not pts:
+            continue
+        hit = next((i for i, p in enumerate(pts) if metric.better(p["metric"], goal)), None)
+        if hit is None:
+            best = max(pts, key=lambda p: -p["metric"] if metric.lower_is_better else p["metric"])
+            out[name] = {"reaches": False, "best_metric": best["metric"]}
+            continue
+        b = pts[hit]
+        a = pts[hit - 1] if hit > 0 else b
+        span = metric.gain(b["metric"], a["metric"])
+        w = 1.0 if span <= 0 else min(max(metric.gain(goal, a["metric"]) / span, 0.0), 1.0)  # share of the way a -> b
+        row = {"reaches": True, "mean_steps": a["mean_steps"] + w * (b["mean_steps"] - a["mean_steps"])}
+        for key in SPEED_KEYS:
+            if key in a and key in b and target.get(key):
+                per_sample = (1 - w) / a[key] + w / b[key]  # time per sample, interpolated
+                row[key] = 1.0 / per_sample
+                row["speedup_" + key.rsplit("_", 1)[1]] = row[key] / target[key]
+        out[name] = row
+    return out
+
+
 def frontier_markdown(result: dict, x: str = "mean_steps") -> str:
     from ..utils.report import markdown_table
 
@@ -291,8 +327,23 @@ def frontier_markdown(result: dict, x: str = "mean_steps") -> str:
                f" The policy's own cost at full depth: +{100 * result['policy_overhead']['batch1']:.0f} % time at batch 1, "
                f"+{100 * result['policy_overhead']['batchN']:.0f} % at batch {result['batch_n']}.")
             + "\n\n")
-    return head + markdown_table(["curve", "budget / param", "mean steps", "cost %", name, "samples/s @1",
-                                  f"samples/s @{result['batch_n']}"], rows, digits=3)
+    table = markdown_table(["curve", "budget / param", "mean steps", "cost %", name, "samples/s @1",
+                            f"samples/s @{result['batch_n']}"], rows, digits=3)
+    at = result.get("speed_at_quality")
+    if not at:
+        return head + table
+    ref = result["speed_reference"]
+    lines = []
+    for curve, r in at.items():
+        if r["reaches"]:
+            lines.append([curve, r["mean_steps"], r.get("speedup_batch1"), r.get("speedup_batchN"),
+                          r.get("samples_per_s_batch1"), r.get("samples_per_s_batchN")])
+        else:
+            lines.append([curve, f"never (best {r['best_metric']:.4g})", None, None, None, None])
+    lines.sort(key=lambda l: -(l[3] or 0))
+    return (head + table + f"\n\n## In time: speed at the quality of {ref['name']} ({ref['metric']:.4g})\n\n"
+            + markdown_table(["curve", "mean steps", "speed-up @1", f"speed-up @{result['batch_n']}", "samples/s @1",
+                              f"samples/s @{result['batch_n']}"], lines, digits=3))
 
 
 def frontier_plot(result: dict, path, x: str = "mean_steps") -> None:
@@ -311,4 +362,25 @@ def frontier_plot(result: dict, path, x: str = "mean_steps") -> None:
     ax.set_ylabel(result["metric"])
     ax.set_title(result.get("title", "accuracy-compute frontier"), fontsize=9)
     ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def frontier_time_plot(result: dict, path) -> None:
+    """The frontier in wall-clock time: metric against milliseconds per sample, at batch 1 and the large batch."""
+    from ..utils.report import new_figure, save_figure
+
+    fig, axes = new_figure(figsize=(10, 4.2), ncols=2)
+    for ax, key, label in zip(axes, SPEED_KEYS, ("batch 1", f"batch {result['batch_n']}")):
+        for name, pts in result["curves"].items():
+            pts = sorted((p for p in pts if p.get(key)), key=lambda p: 1 / p[key])
+            if pts:
+                ax.plot([1e3 / p[key] for p in pts], [p["metric"] for p in pts], label=name, marker=".", ms=4,
+                        lw=2 if name == "policy" else 1)
+        ref = result.get("speed_reference")
+        if ref:
+            ax.axhline(ref["metric"], color="gray", lw=0.8, ls="--", label=ref["name"])
+        ax.set_xlabel(f"ms per sample ({label}, {result['device']})")
+        ax.set_ylabel(result["metric"])
+        ax.set_xscale("log")
+    axes[0].legend(fontsize=6)
     save_figure(fig, path)

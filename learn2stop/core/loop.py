@@ -98,6 +98,20 @@ def tree_detach(tree: Any) -> Any:
     return tree_map(lambda x: x.detach(), tree)
 
 
+def tree_zip_apply(fn: Callable[[Tensor, Tensor], Any], dst: Any, src: Any) -> None:
+    """Call ``fn(d, s)`` on the paired batch-first tensor leaves of two structurally equal trees."""
+    for d, s in zip(tree_leaves(dst), tree_leaves(src)):
+        if d.dim() > 0:
+            fn(d, s)
+
+
+def first_ask(rule: Any) -> int:
+    """The first step at which the loop consults a rule: its planning step, or its ``first_step``
+    (a learned policy's ``min_step``, 2 for a tolerance test), else 1."""
+    plan = getattr(rule, "plan_step", None)
+    return int(plan) if plan is not None else int(getattr(rule, "first_step", 1))
+
+
 # ----------------------------------------------------------------------------- protocols
 @runtime_checkable
 class StepwiseModel(Protocol):
@@ -191,10 +205,11 @@ def unroll(
         A :class:`Rollout` whose ``outputs`` are the outputs at step T.
     """
     check_stepwise(model)
-    check_inputs(inputs)
     T = model.num_steps
     B = batch_size(inputs)
     losses, logits, outs = [], [], []
+    plan_at = getattr(policy, "plan_step", None) if policy is not None else None
+    planned = None
     with torch.set_grad_enabled(model_grad and torch.is_grad_enabled()):
         state = _first(model.initial_state, model, inputs)
     output = None
@@ -206,9 +221,12 @@ def unroll(
                 if loss_t.shape != (B,):
                     raise ValueError(f"loss_fn must return one loss per sample, shape ({B},); got {tuple(loss_t.shape)}")
                 losses.append(loss_t)
-        if policy is not None and t < T:
+        if policy is not None and t < T and (plan_at is None or t == plan_at):
             seen = output if model_grad else tree_detach(output)
-            logits.append(_policy_logits(policy, inputs, seen, t, B))
+            if plan_at is None:
+                logits.append(_policy_logits(policy, inputs, seen, t, B))
+            else:
+                planned = planned_logits(policy, inputs, seen, t, B, T)
         if keep_outputs:
             outs.append(output)
     device = tree_leaves(output)[0].device if tree_leaves(output) else None
@@ -218,72 +236,133 @@ def unroll(
         num_steps=T,
         step_outputs=outs if keep_outputs else None,
         losses=torch.stack(losses, dim=1) if losses else None,
-        stop_logits=(torch.stack(logits, dim=1) if logits else _empty_logits(B, device)) if policy is not None else None,
+        stop_logits=None if policy is None else planned if planned is not None else
+        torch.stack(logits, dim=1) if logits else torch.full((B, T - 1), NEVER_STOP_LOGIT, device=device),
     )
 
 
 def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs: bool = False) -> Rollout:
     """Run the model step by step and drop each sample from the batch once ``rule`` says stop.
 
-    A stopped sample costs no further steps: the state, the inputs and the active batch shrink,
-    so later steps run on fewer rows. Step T always stops what is left.
+    A stopped sample costs no further steps: its output is written into the result at once and the
+    state and inputs of the samples still running shrink, so later steps run on fewer rows. Step T
+    always stops what is left. The rule is consulted only where it can stop:
+
+    - a *planning* rule (``rule.plan_step = s`` and ``rule.plan(view) -> (B,)`` stop times) is asked
+      once, at step s (0: before the first step). The batch is then sorted by planned depth, once, and
+      every later step runs on a contiguous leading slice of it: no further decision, gather or host
+      synchronisation (one, for the counts, at the planning step);
+    - a per-step rule (``rule(view) -> (B,) bool``) is called at the steps ``first_ask(rule)``..T-1,
+      with one host synchronisation there (how many stopped) and none elsewhere.
+
+    Inputs are not checked here (this is the hot path): :class:`StoppingModel` checks them once.
 
     Args:
         model: a step-wise model.
         inputs: batch-first tree.
-        rule: ``rule(StepView) -> (B_active,) bool``; see :class:`PolicyRule`, :class:`FixedDepth`,
-            :class:`StopAtTimes`, :class:`ToleranceRule`.
+        rule: see :mod:`learn2stop.core.rules` (fixed depth, given stop times, thresholds on a signal, a
+            learned policy, thresholded or sampled).
         record_probs: also return, in ``extras["stop_probs"]``, the (B, T-1) stop probabilities the
-            rule reported (NaN where a sample had already stopped); needs a rule with ``last_probs``.
+            rule reported (NaN where a sample had already stopped); needs a per-step rule with ``last_probs``.
     Returns:
         A :class:`Rollout`; ``outputs`` is in input order.
     """
     check_stepwise(model)
-    check_inputs(inputs)
     T = model.num_steps
     B = batch_size(inputs)
-    state = _first(model.initial_state, model, inputs)
+    plan_step = getattr(rule, "plan_step", None)
+    first = first_ask(rule)
+    state = model.initial_state(inputs)
     device = tree_leaves(state)[0].device if tree_leaves(state) else tree_leaves(inputs)[0].device
-    active = torch.arange(B, device=device)
+    active = torch.arange(B, device=device)  # (B_active,) original rows of the running samples
     stop_times = torch.full((B,), T, dtype=torch.long, device=device)
     probs = torch.full((B, max(T - 1, 0)), float("nan"), device=device) if record_probs else None
-    done_index, done_outputs = [], []
+    result = None  # preallocated on the first write: stopped rows go straight to their place
+    remaining: list[int] | None = None  # planned mode: remaining[t] = rows still running after step t
     previous = None
+
+    def finish(rows: slice | Tensor, output: Any, t: int) -> None:
+        nonlocal result
+        if result is None:
+            result = tree_map(lambda x: x.new_empty((B, *x.shape[1:])) if x.dim() > 0 else x, output)
+        idx = active[rows]
+        tree_zip_apply(lambda dst, src: dst.index_copy_(0, idx, src[rows]), result, output)
+        if t < T:
+            stop_times[idx] = t
+
+    def plan(t: int, output: Any) -> None:
+        nonlocal remaining, active, state, inputs
+        n = active.numel()
+        times = rule.plan(StepView(t, T, inputs, output, None, state, active)).clamp(max(t, 1), T)
+        times, order = torch.sort(times, descending=True, stable=True)
+        # one host sync: how many rows are still running after each step t..T
+        remaining = [0] * (T + 1)
+        counts = torch.bincount(times, minlength=T + 1).flip(0).cumsum(0).flip(0)  # counts[s] = #(times >= s)
+        remaining[t:] = counts[t + 1:].tolist() + [0]
+        active, state, inputs = active[order], tree_select(state, order), tree_select(inputs, order)
+        return None if output is None else tree_select(output, order)
+
+    if plan_step == 0:
+        plan(0, None)
+    output = None
     for t in range(1, T + 1):
+        if remaining is not None and remaining[t - 1] < active.numel():  # planned mode: keep the leading rows
+            keep = slice(0, remaining[t - 1])
+            active, state, inputs = active[keep], tree_select(state, keep), tree_select(inputs, keep)
         state, output = _step(model, t, state, inputs)
         if t == T:
-            done_index.append(active)
-            done_outputs.append(output)
+            finish(slice(None), output, T)
             break
+        if remaining is not None:
+            n, left = active.numel(), remaining[t]
+            if left < n:
+                finish(slice(left, n), output, t)
+                if left == 0:
+                    break
+            continue
+        if t == plan_step:
+            output = plan(t, output)
+            n, left = active.numel(), remaining[t]
+            if left < n:
+                finish(slice(left, n), output, t)
+                if left == 0:
+                    break
+            continue
+        if t < first:
+            previous = output
+            continue
         stop = rule(StepView(t, T, inputs, output, previous, state, active))
         if stop.shape != (active.numel(),) or stop.dtype != torch.bool:
             raise ValueError(f"a stop rule must return a bool tensor of shape ({active.numel()},); "
                              f"got {stop.dtype} {tuple(stop.shape)}")
         if probs is not None:
+            if plan_step is not None:
+                raise ValueError("record_probs=True needs a per-step rule; this rule plans the depth")
             reported = getattr(rule, "last_probs", None)
             if reported is None:
                 raise ValueError("record_probs=True needs a rule that reports stop probabilities (PolicyRule)")
             probs[active, t - 1] = reported.to(probs)
-        # One host synchronisation per step (the count); rows are then moved with integer indices,
-        # which need none: a stable sort puts the continuing rows first, in order, then the stopped ones.
+        n = active.numel()
+        if n == 1:  # batch of one: a stop simply ends the loop
+            if bool(stop):
+                finish(slice(None), output, t)
+                break
+            previous = output
+            continue
+        # One host synchronisation (the count); rows are then moved with integer indices, which need
+        # none: a stable sort puts the continuing rows first, in order, then the stopped ones.
         n_stop = int(stop.sum())
         if n_stop:
             order = torch.argsort(stop.to(torch.int8), stable=True)
-            gone, keep = order[active.numel() - n_stop:], order[:active.numel() - n_stop]
-            done_index.append(active[gone])
-            done_outputs.append(tree_select(output, gone))
-            stop_times[active[gone]] = t
-            if n_stop == active.numel():
+            gone, keep = order[n - n_stop:], order[:n - n_stop]
+            finish(gone, output, t)
+            if n_stop == n:
                 break
             active, state, inputs = active[keep], tree_select(state, keep), tree_select(inputs, keep)
             output = tree_select(output, keep)
         previous = output
-    order = torch.cat(done_index)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(B, device=device)
-    outputs = tree_select(tree_cat(done_outputs), inverse)
     extras = {"stop_probs": probs} if probs is not None else {}
-    return Rollout(outputs=outputs, stop_times=stop_times, num_steps=T, extras=extras)
+    return Rollout(outputs=result, stop_times=stop_times, num_steps=T, extras=extras)
 
 
 def _step(model: Any, t: int, state: Any, inputs: Any) -> tuple[Any, Any]:
@@ -321,8 +400,19 @@ def _policy_logits(policy: nn.Module, inputs: Any, output: Any, t: int, B: int) 
     return logits
 
 
-def _empty_logits(B: int, device) -> Tensor:
-    return torch.zeros(B, 0, device=device)
+def planned_logits(policy: nn.Module, inputs: Any, output: Any, t: int, B: int, T: int) -> Tensor:
+    """A planning policy's (B, T-1) stop logits for steps 1..T-1, from its one call at step t = ``plan_step``.
+
+    Steps before t cannot stop any more (their logits are set to ``NEVER_STOP_LOGIT``), so the planned
+    q_phi puts its mass on t..T, and every policy rule reads its stop time off these logits at once.
+    """
+    logits = policy(inputs, output, t)
+    if logits.shape != (B, T - 1):
+        raise ValueError(f"a planning policy (plan_step={t}) must return the stop logits of steps 1..T-1 at once, "
+                         f"shape ({B}, {T - 1}); got {tuple(logits.shape)}")
+    if t > 1:
+        logits = torch.cat([logits.new_full((B, t - 1), NEVER_STOP_LOGIT), logits[:, t - 1:]], dim=1)
+    return logits
 
 
 def threshold_stop_times(stop_logits: Tensor, threshold: float = 0.5) -> Tensor:
@@ -339,12 +429,13 @@ def threshold_stop_times(stop_logits: Tensor, threshold: float = 0.5) -> Tensor:
 
 # ----------------------------------------------------------------------------- stop rules
 class FixedDepth:
-    """Stop every sample at step ``depth`` (default: T, i.e. never early)."""
+    """Stop every sample at step ``depth`` (default: T, i.e. never early). Asked once, at that step."""
 
     def __init__(self, depth: int | None = None):
         if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
             raise ValueError(f"depth must be an integer >= 1; got {depth!r}")
         self.depth = depth
+        self.first_step = depth if depth is not None else 1 << 30  # full depth: never asked
 
     def __call__(self, view: StepView) -> Tensor:
         stop = self.depth is not None and view.t >= self.depth
@@ -352,13 +443,34 @@ class FixedDepth:
 
 
 class StopAtTimes:
-    """Stop each sample at a given 1-based step (e.g. sampled from the oracle)."""
+    """Stop each sample at a given 1-based step (e.g. sampled from the oracle): a plan made before step 1.
+
+    Args:
+        stop_times: (B,) integer steps >= 1, one per sample of the batch it will be run on.
+    """
+
+    plan_step = 0
 
     def __init__(self, stop_times: Tensor):
+        if not isinstance(stop_times, Tensor) or stop_times.dim() != 1 or stop_times.is_floating_point() \
+                or stop_times.dtype == torch.bool:
+            raise ValueError("stop_times must be a 1-D integer tensor of 1-based steps, one per sample; got "
+                             + (f"{stop_times.dtype} of shape {tuple(stop_times.shape)}" if isinstance(stop_times, Tensor)
+                                else type(stop_times).__name__))
+        if stop_times.numel() and int(stop_times.min()) < 1:
+            raise ValueError(f"stop_times must be >= 1 (1-based steps); got a minimum of {int(stop_times.min())}")
         self.stop_times = stop_times
 
+    def plan(self, view: StepView) -> Tensor:
+        if self.stop_times.shape[0] <= int(view.index.max()):
+            raise ValueError(f"stop_times has {self.stop_times.shape[0]} entries for a batch of {view.index.numel()} samples")
+        times = self.stop_times.to(view.index.device)[view.index]
+        if int(times.max()) > view.num_steps:
+            raise ValueError(f"stop_times go up to step {int(times.max())} but the model has {view.num_steps} steps")
+        return times
+
     def __call__(self, view: StepView) -> Tensor:
-        return self.stop_times.to(view.index.device)[view.index] <= view.t
+        return self.plan(view) <= view.t
 
 
 class ToleranceRule:
@@ -384,11 +496,14 @@ class ToleranceRule:
 class PolicyRule:
     """Ask a learned policy at each step: stop if pi_t > threshold, or stop with probability pi_t.
 
+    A planning policy (one with ``plan_step``) is asked once, at that step, and the same rule reads
+    each sample's stop time off its planned stop logits.
+
     Args:
-        policy: ``policy(inputs, output, t) -> (B,)`` stop logits.
+        policy: ``policy(inputs, output, t) -> (B,)`` stop logits (or (B, T-1) for a planning policy).
         mode: ``"threshold"`` (deterministic) or ``"sample"`` (stochastic, paper's q_phi).
         threshold: stop probability above which a sample stops in threshold mode.
-        generator: random generator for sample mode.
+        generator: random generator for sample mode (draws on its device; CPU by default).
     """
 
     def __init__(self, policy: nn.Module, mode: str = "threshold", threshold: float = 0.5,
@@ -398,15 +513,25 @@ class PolicyRule:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < 1:
             raise ValueError(f"threshold must be a number in (0, 1); got {threshold!r}")
         self.policy, self.mode, self.threshold, self.generator = policy, mode, threshold, generator
+        self.plan_step = getattr(policy, "plan_step", None)
+        self.first_step = int(getattr(policy, "min_step", 1))
         self.last_probs: Tensor | None = None
+
+    def plan(self, view: StepView) -> Tensor:
+        from .distributions import log_stop_time_distribution, sample_stop_time
+
+        logits = planned_logits(self.policy, view.inputs, view.output, view.t, view.index.numel(), view.num_steps)
+        if self.mode == "threshold":
+            return threshold_stop_times(logits, self.threshold)
+        return sample_stop_time(log_stop_time_distribution(logits), self.generator) + 1
 
     def __call__(self, view: StepView) -> Tensor:
         p = torch.sigmoid(_policy_logits(self.policy, view.inputs, view.output, view.t, view.index.numel()))
         self.last_probs = p
         if self.mode == "threshold":
             return p > self.threshold
-        u = torch.rand(p.shape, generator=self.generator, device="cpu").to(p.device)
-        return u < p
+        gen_device = self.generator.device if self.generator is not None else p.device
+        return torch.rand(p.shape, generator=self.generator, device=gen_device).to(p.device) < p
 
 
 # ----------------------------------------------------------------------------- the wrapper
@@ -432,6 +557,7 @@ class StoppingModel(nn.Module):
     def unroll(self, inputs: Any, target: Any = None, loss_fn=None, *, use_policy: bool = True,
                model_grad: bool = True, keep_outputs: bool = False) -> Rollout:
         """Full-depth rollout recording per-step losses and stop logits (see :func:`unroll`)."""
+        check_inputs(inputs)
         return unroll(self.model, inputs, target=target, loss_fn=loss_fn,
                       policy=self.policy if use_policy else None, model_grad=model_grad, keep_outputs=keep_outputs)
 
@@ -455,6 +581,7 @@ class StoppingModel(nn.Module):
                 from .calibration import InferenceConfig
 
                 rule = (inference or InferenceConfig()).make_rule(self.policy, generator)
+        check_inputs(inputs)
         return run_with_early_exit(self.model, inputs, rule, record_probs=record_probs)
 
     def stop_distribution(self, inputs: Any) -> Tensor:

@@ -27,7 +27,8 @@ from ..utils.report import write_json, write_text_atomic
 from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rule, calibrate_budget, calibrate_risk,
                           check_budget, check_risk, save_calibration)
 from .evaluation import (Metric, Trace, budget_curve, collect_trace, fixed_depth_curve, frontier_markdown, frontier_plot,
-                         frontier_summary, measure_speed, oracle_curve, sweep_curve, _point)
+                         SPEED_KEYS, frontier_summary, frontier_time_plot, measure_speed, oracle_curve, speed_at_quality,
+                         sweep_curve, _point)
 from .loop import FixedDepth, StoppingModel, tree_cat, tree_leaves, tree_map
 from .objectives import MethodConfig, StageConfig
 from .rules import SIGNALS, SignalRule, first_crossing
@@ -326,6 +327,12 @@ def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5,
               "full_depth": full, "batch_n": bn, "device": str(dev or "cpu"),
               "test_samples": N, "budget_by": app.budget_by, "curves": curves,
               "policy_overhead": overhead}
+    if speed:  # the number a user cares about: how much faster at the quality they have today
+        ref_pts = curves.get("baseline_fixed_depth")
+        ref = max(ref_pts, key=lambda p: p["mean_steps"]) if ref_pts else full
+        result["speed_reference"] = {"name": f"{app.baseline_stage} at full depth" if ref_pts else "full depth",
+                                     "metric": ref["metric"], **{k: ref[k] for k in SPEED_KEYS if k in ref}}
+        result["speed_at_quality"] = speed_at_quality(curves, metric, ref)
     result["summary"] = frontier_summary(curves, metric, full, T)
     if app.budget_by == "cost":
         result["summary_by_cost"] = frontier_summary(curves, metric, full, T, x="mean_cost")
@@ -334,6 +341,8 @@ def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5,
         write_json(result, out / "frontier.json")
         write_text_atomic(out / "frontier.md", frontier_markdown(result) + "\n")
         frontier_plot(result, out / "frontier.png", x="mean_cost" if app.budget_by == "cost" else "mean_steps")
+        if speed:
+            frontier_time_plot(result, out / "frontier_time.png")
         run.log(frontier_markdown(result))
     return result
 

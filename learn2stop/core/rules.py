@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .loop import StepView, _policy_logits, tree_leaves
+from .loop import NEVER_STOP_LOGIT, StepView, _policy_logits, planned_logits, tree_leaves
 
 
 class StopSignal:
@@ -36,6 +36,10 @@ class StopSignal:
     name = "signal"
     param_name = "threshold"
     needs_policy = False
+    #: the first step at which the signal can stop a sample; the loop does not ask it before.
+    first_step = 1
+    #: a signal that plans: read every step's score at once at this step (see :meth:`plan_scores`).
+    plan_step: int | None = None
 
     @staticmethod
     def to_param(threshold: float) -> float:
@@ -53,25 +57,46 @@ class _Stateful(StopSignal):
     """A signal with per-sample memory, indexed by the sample's position in the original batch."""
 
     def _state(self, view: StepView, init: Callable[[int], Tensor]) -> Tensor:
-        if view.t == 1 or getattr(self, "_memory", None) is None:
+        if view.t <= self.first_step or getattr(self, "_memory", None) is None:
             size = int(view.index.max()) + 1 if view.index.numel() else 0
             self._memory = init(size)
         return self._memory
 
 
-class PolicySignal(StopSignal):
-    """pi_t = sigmoid(policy logit): the paper's stopping policy (Eq. 2)."""
+class _PolicyBased(StopSignal):
+    """A signal read off a learned policy: asked from its ``min_step``, or once at its ``plan_step``."""
 
-    name, param_name, needs_policy = "threshold", "threshold", True
+    needs_policy = True
 
     def __init__(self, policy: nn.Module):
         self.policy = policy
+        self.plan_step = getattr(policy, "plan_step", None)
+        self.first_step = self.plan_step if self.plan_step is not None else int(getattr(policy, "min_step", 1))
+
+    def plan_scores(self, view: StepView) -> Tensor:
+        """The (B, T-1) scores of every step at once, from a planning policy's one call."""
+        return self.scores(planned_logits(self.policy, view.inputs, view.output, view.t, view.index.numel(),
+                                          view.num_steps))
+
+    @staticmethod
+    def scores(stop_logits: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+class PolicySignal(_PolicyBased):
+    """pi_t = sigmoid(policy logit): the paper's stopping policy (Eq. 2)."""
+
+    name, param_name = "threshold", "threshold"
+
+    @staticmethod
+    def scores(stop_logits: Tensor) -> Tensor:
+        return torch.sigmoid(stop_logits.float())
 
     def __call__(self, view: StepView) -> Tensor:
         return torch.sigmoid(_policy_logits(self.policy, view.inputs, view.output, view.t, view.index.numel()))
 
 
-class QuantileSignal(_Stateful):
+class QuantileSignal(_PolicyBased, _Stateful):
     """The probability that q_phi has stopped by step t, 1 - prod_{s<=t} (1 - pi_s), as a score.
 
     Thresholding it at alpha stops at the alpha-quantile of each sample's stop-time distribution.
@@ -79,10 +104,11 @@ class QuantileSignal(_Stateful):
     to 1.0 once q_phi is sharp and would merge distinct thresholds); the parameter is alpha itself.
     """
 
-    name, param_name, needs_policy = "quantile", "alpha", True
+    name, param_name = "quantile", "alpha"
 
-    def __init__(self, policy: nn.Module):
-        self.policy = policy
+    @staticmethod
+    def scores(stop_logits: Tensor) -> Tensor:
+        return -F.logsigmoid(-stop_logits.float()).cumsum(dim=1)
 
     @staticmethod
     def to_param(threshold: float) -> float:
@@ -127,23 +153,24 @@ def _leaf(output: Any, key: str | Callable | None) -> Tensor:
     return output if isinstance(output, Tensor) else leaves[0]
 
 
-class ToleranceSignal(_LowerStops, _Stateful, _Keyed):
+class ToleranceSignal(_LowerStops, _Keyed):
     """The classical convergence test: minus the relative change ||o_t - o_{t-1}|| / ||o_t||.
 
     ``key`` picks what to watch: a dict key of the output, or a function of the output (e.g. MAML's
-    support loss). Step 1 has no previous output and never stops. The parameter is the tolerance.
+    support loss). It reads the previous output the loop hands over (no copy of its own), so it is
+    asked from step 2. The parameter is the tolerance.
     """
 
     name, param_name = "tolerance", "tol"
+    first_step = 2
 
     def __call__(self, view: StepView) -> Tensor:
         out = _leaf(view.output, self.key).detach().float()
-        flat = out.reshape(out.shape[0], -1)
-        prev = self._state(view, lambda n: torch.full((n, flat.shape[1]), float("nan"), device=flat.device))
-        before = prev[view.index]
-        change = (flat - before).norm(dim=1) / flat.norm(dim=1).clamp_min(1e-12)
-        prev[view.index] = flat
-        return torch.where(torch.isnan(change), torch.full_like(change, -math.inf), -change)
+        if view.previous_output is None:
+            return torch.full((out.shape[0],), -math.inf, device=out.device)
+        prev = _leaf(view.previous_output, self.key).detach().float()
+        flat, before = out.reshape(out.shape[0], -1), prev.reshape(prev.shape[0], -1)
+        return -(flat - before).norm(dim=1) / flat.norm(dim=1).clamp_min(1e-12)
 
 
 class ConfidenceSignal(_Keyed):
@@ -196,7 +223,12 @@ class SignalRule:
         if not isinstance(threshold, (int, float)) or math.isnan(threshold):
             raise ValueError(f"threshold must be a number; got {threshold!r}")
         self.signal, self.threshold = signal, float(threshold)
+        self.first_step, self.plan_step = signal.first_step, signal.plan_step
         self.last_probs: Tensor | None = None
+
+    def plan(self, view: StepView) -> Tensor:
+        """Stop times of a planning signal: the first crossing of its planned scores."""
+        return first_crossing(self.signal.plan_scores(view), self.threshold)
 
     @classmethod
     def from_param(cls, signal: StopSignal, param: float) -> "SignalRule":
@@ -214,16 +246,26 @@ class SignalRule:
 def signal_trace(signal: StopSignal, step_outputs: list[Any], inputs: Any) -> Tensor:
     """The signal's scores at steps 1..T-1 of a full rollout; shape (B, T-1).
 
-    Feeds the signal exactly the views the online loop would give it if no sample stopped, so
+    Feeds the signal exactly the views the online loop would give it if no sample stopped (from its
+    first step; earlier steps score -inf, never stopping; a planning signal once, at its plan step), so
     ``first_crossing(trace, thr)`` equals the stop times of ``SignalRule(signal, thr)``.
     """
     T = len(step_outputs)
     B = tree_leaves(step_outputs[0])[0].shape[0]
     device = tree_leaves(step_outputs[0])[0].device
     index = torch.arange(B, device=device)
-    cols = [signal(StepView(t, T, inputs, step_outputs[t - 1], step_outputs[t - 2] if t > 1 else None, None, index))
-            for t in range(1, T)]
-    return torch.stack(cols, dim=1).float() if cols else torch.zeros(B, 0, device=device)
+
+    def view(t: int) -> StepView:
+        return StepView(t, T, inputs, step_outputs[t - 1], step_outputs[t - 2] if t > 1 else None, None, index)
+
+    out = torch.full((B, max(T - 1, 0)), -math.inf, device=device)
+    if signal.plan_step is not None:
+        if 1 <= signal.plan_step < T:
+            out = signal.plan_scores(view(signal.plan_step)).float()
+        return out
+    for t in range(max(signal.first_step, 1), T):
+        out[:, t - 1] = signal(view(t)).float()
+    return out
 
 
 def first_crossing(scores: Tensor, threshold: float | Tensor) -> Tensor:

@@ -1,0 +1,131 @@
+"""The lean loop: rules asked only where they may stop, planning policies, and the frontier in time."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import ToyStepModel
+from learn2stop.core import (FixedDepth, Metric, PolicyRule, QuantileSignal, SignalRule, StopAtTimes, StoppingModel,
+                             ToleranceSignal, first_crossing, log_stop_time_distribution, run_with_early_exit,
+                             signal_trace, unroll)
+from learn2stop.core.distributions import stop_logits_from_distribution
+from learn2stop.core.evaluation import speed_at_quality
+
+
+class Planner(nn.Module):
+    """A planning policy: at ``plan_step`` it returns the stop logits of every step at once."""
+
+    def __init__(self, T, plan_step):
+        super().__init__()
+        self.T, self.plan_step, self.calls = T, plan_step, 0
+        self.net = nn.Linear(5, T)
+
+    def forward(self, y, x, t):
+        assert t == self.plan_step
+        self.calls += 1
+        return stop_logits_from_distribution(torch.log_softmax(self.net(x), dim=1))
+
+
+class CountingRule:
+    """A per-step rule that records the steps it is asked at."""
+
+    def __init__(self, first_step, stop_at):
+        self.first_step, self.stop_at, self.asked = first_step, stop_at, []
+
+    def __call__(self, view):
+        self.asked.append(view.t)
+        return torch.full((view.index.numel(),), view.t >= self.stop_at, dtype=torch.bool)
+
+
+def test_stop_logits_from_distribution_inverts_q():
+    log_q = torch.log_softmax(torch.randn(6, 9), dim=1)
+    torch.testing.assert_close(log_stop_time_distribution(stop_logits_from_distribution(log_q)), log_q, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("batch", [1, 13])
+def test_rule_is_asked_only_at_its_declared_steps(batch):
+    model = ToyStepModel(num_steps=6)
+    rule = CountingRule(first_step=3, stop_at=5)
+    r = run_with_early_exit(model, torch.randn(batch, 3), rule)
+    assert rule.asked == [3, 4, 5] and (r.stop_times == 5).all()
+    fixed = CountingRule(first_step=10, stop_at=1)  # never asked before T: full depth, no decision at all
+    assert (run_with_early_exit(model, torch.randn(batch, 3), fixed).stop_times == 6).all() and fixed.asked == []
+
+
+@pytest.mark.parametrize("batch", [1, 2, 37])
+def test_planned_stop_times_match_full_depth_outputs_and_skip_work(batch):
+    torch.manual_seed(0)
+    model = ToyStepModel(num_steps=5)
+    y = torch.randn(batch, 3)
+    times = torch.randint(1, 6, (batch,))
+    full = unroll(model, y, keep_outputs=True)
+    model.calls = 0
+    r = run_with_early_exit(model, y, StopAtTimes(times))
+    assert (r.stop_times == times).all()
+    torch.testing.assert_close(r.outputs, torch.stack([full.step_outputs[t - 1][i] for i, t in enumerate(times.tolist())]))
+    assert model.calls == int(times.sum())
+
+
+def test_planning_policy_asked_once_and_rules_agree_online_and_offline():
+    torch.manual_seed(1)
+    T, s = 6, 3
+    model, planner = ToyStepModel(num_steps=T), Planner(T, plan_step=s)
+    y = torch.randn(40, 3)
+    with torch.no_grad():
+        full = unroll(model, y, policy=planner, keep_outputs=True)
+        assert planner.calls == 1 and full.stop_logits.shape == (40, T - 1)
+        assert (full.stop_logits[:, :s - 1] == -50.0).all()  # no stop before the plan step
+        for alpha in (0.2, 0.5, 0.9):
+            signal = QuantileSignal(planner)
+            offline = first_crossing(signal_trace(signal, full.step_outputs, y), signal.from_param(alpha))
+            planner.calls = 0
+            online = run_with_early_exit(model, y, SignalRule.from_param(QuantileSignal(planner), alpha))
+            assert planner.calls == 1
+            assert (online.stop_times == offline).all() and (online.stop_times >= s).all()
+            torch.testing.assert_close(online.outputs, torch.stack(
+                [full.step_outputs[t - 1][i] for i, t in enumerate(offline.tolist())]))
+        r = StoppingModel(model, planner)(y, threshold=0.5)  # PolicyRule plans too
+        p = torch.sigmoid(full.stop_logits)
+        expected = torch.cat([p > 0.5, torch.ones(40, 1, dtype=torch.bool)], 1).float().argmax(1) + 1
+        assert (r.stop_times == expected).all()
+
+
+def test_tolerance_asked_from_step_two_matches_its_trace():
+    torch.manual_seed(2)
+    model = ToyStepModel(num_steps=6)
+    y = torch.randn(25, 3)
+    full = unroll(model, y, keep_outputs=True)
+    trace = signal_trace(ToleranceSignal(), full.step_outputs, y)
+    assert torch.isinf(trace[:, 0]).all()
+    thr = float(trace[:, 2].median())
+    online = run_with_early_exit(model, y, SignalRule(ToleranceSignal(), thr))
+    assert (online.stop_times == first_crossing(trace, thr)).all()
+
+
+def test_stop_at_times_refuses_bad_plans():
+    with pytest.raises(ValueError, match="stop_times must be >= 1"):
+        StopAtTimes(torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="integer"):
+        StopAtTimes(torch.tensor([1.0, 2.5]))
+    with pytest.raises(ValueError, match="entries for a batch"):
+        run_with_early_exit(ToyStepModel(num_steps=3), torch.randn(4, 3), StopAtTimes(torch.tensor([1, 2])))
+    with pytest.raises(ValueError, match="the model has 3 steps"):
+        run_with_early_exit(ToyStepModel(num_steps=3), torch.randn(2, 3), StopAtTimes(torch.tensor([1, 7])))
+
+
+def test_speed_at_quality_interpolates_the_crossing():
+    metric = Metric("err", lambda o, t: o, lower_is_better=True)
+    ref = {"metric": 1.0, "samples_per_s_batch1": 100.0, "samples_per_s_batchN": 1000.0}
+    curves = {
+        # reaches 1.0 halfway between its two points: time per sample halfway between 1/200 and 1/100
+        "fast": [{"mean_steps": 4, "metric": 1.2, "samples_per_s_batch1": 200.0, "samples_per_s_batchN": 4000.0},
+                 {"mean_steps": 6, "metric": 0.8, "samples_per_s_batch1": 100.0, "samples_per_s_batchN": 1000.0}],
+        "never": [{"mean_steps": 8, "metric": 1.5, "samples_per_s_batch1": 90.0, "samples_per_s_batchN": 900.0}],
+    }
+    out = speed_at_quality(curves, metric, ref)
+    assert out["fast"]["reaches"] and out["fast"]["mean_steps"] == pytest.approx(5.0)
+    assert out["fast"]["samples_per_s_batch1"] == pytest.approx(1 / (0.5 / 200 + 0.5 / 100))
+    assert out["fast"]["speedup_batch1"] == pytest.approx(out["fast"]["samples_per_s_batch1"] / 100)
+    assert out["fast"]["speedup_batchN"] == pytest.approx(1 / (0.5 / 4000 + 0.5 / 1000) / 1000)
+    assert out["never"] == {"reaches": False, "best_metric": 1.5}
