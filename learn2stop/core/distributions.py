@@ -118,10 +118,25 @@ def log_oracle_distribution(losses: Tensor, beta: float, log_prior: Tensor | Non
     """
     _check_steps("losses", losses)
     _check_beta(beta)
-    scores = -losses / beta
+    scores = oracle_scores(losses, beta)
     if log_prior is not None:
         scores = scores + _broadcast_prior(log_prior, losses)
     return torch.log_softmax(scores, dim=1)
+
+
+#: floor of the shifted oracle scores -(l_t - min_s l_s) / beta: exp(-1e4) is 0 in every float format, so the
+#: floor changes no probability, but a huge finite loss (a diverged step) cannot turn a score into -inf.
+ORACLE_SCORE_FLOOR = -1e4
+
+
+def oracle_scores(losses: Tensor, beta: float) -> Tensor:
+    """-(l_t - min_s l_s) / beta, floored at :data:`ORACLE_SCORE_FLOOR`; shape (B, T), each row's best step 0.
+
+    The same softmax as -l_t / beta (a constant shift per row), but finite for any finite loss: a loss
+    of 1e30 at beta 0.01 would otherwise overflow to -inf and give NaN in the stage losses.
+    """
+    low = losses.detach().min(dim=1, keepdim=True).values  # (B, 1), a constant: the gradient is unchanged
+    return (-(losses - low) / beta).clamp_min(ORACLE_SCORE_FLOOR)
 
 
 def oracle_distribution(losses: Tensor, beta: float, log_prior: Tensor | None = None) -> Tensor:

@@ -21,6 +21,7 @@ from .distributions import (
     log_oracle_distribution,
     log_stop_time_distribution,
     map_stop_time,
+    oracle_scores,
     sample_stop_time,
     survival_log_probability,
 )
@@ -95,12 +96,15 @@ def stage1_marginal_loss(
     """
     _check_steps("losses", losses)
     _check_beta(beta)
-    scores = -losses / beta
+    # -beta log sum_t p(t) exp(-l_t / beta) = low - beta log sum_t p(t) exp(-(l_t - low) / beta), low = min_t l_t:
+    # the shifted form stays finite for a huge finite loss (see oracle_scores).
+    low = losses.detach().min(dim=1).values  # (B,), a constant shift: the gradient stays sum_t q*(t) grad l_t
+    scores = oracle_scores(losses, beta)
     if log_prior is None:
         scores = scores - torch.log(torch.tensor(float(losses.shape[1])))
     else:
         scores = scores + _broadcast_prior(log_prior, losses)
-    return _reduce(-beta * torch.logsumexp(scores, dim=1), reduction)
+    return _reduce(low - beta * torch.logsumexp(scores, dim=1), reduction)
 
 
 def stage1_sampled_loss(
@@ -177,7 +181,7 @@ def max_entropy_rl_objective(
     _check_pair(stop_logits, losses)
     _check_beta(beta)
     log_q = log_stop_time_distribution(stop_logits)
-    reward = (log_q.exp() * (-losses.detach() / beta)).sum(dim=1)
+    reward = -(log_q.exp() * losses.detach()).sum(dim=1) / beta  # not q * (-l / beta): 0 * inf for a huge loss
     p = torch.sigmoid(stop_logits)
     step_entropy = -(p * torch.nn.functional.logsigmoid(stop_logits) + (1 - p) * torch.nn.functional.logsigmoid(-stop_logits))
     reached = survival_log_probability(stop_logits)[:, :-1].exp()  # (B, T-1)
