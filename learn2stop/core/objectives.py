@@ -176,6 +176,32 @@ class StageConfig:
         return self.log_prior(model.num_steps, device, exit_costs(model))
 
 
+class NonFiniteError(FloatingPointError, ValueError):
+    """A training quantity (per-step losses, stop logits, the loss or its gradient) is NaN or inf."""
+
+
+def step_ranges(steps: list[int]) -> str:
+    """[1, 2, 3, 7, 9, 10] -> "1-3, 7, 9-10" (1-based steps, sorted)."""
+    parts, i = [], 0
+    while i < len(steps):
+        j = i
+        while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1:
+            j += 1
+        parts.append(str(steps[i]) if i == j else f"{steps[i]}-{steps[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def check_finite_steps(name: str, values: Tensor) -> None:
+    """Refuse NaN / inf in per-step values (B, T'), naming the steps and how many samples hold them."""
+    bad = ~torch.isfinite(values.detach())
+    if bool(bad.any()):
+        steps = (bad.any(dim=0).nonzero().flatten() + 1).tolist()
+        kind = "NaN" if bool(torch.isnan(values.detach()).any()) else "inf"
+        raise NonFiniteError(f"{name} at steps {step_ranges(steps)} non-finite ({kind}) in "
+                             f"{int(bad.any(dim=1).sum())} of {values.shape[0]} samples")
+
+
 def _summary(losses: Tensor, stop_logits: Tensor | None, beta: float) -> dict[str, float]:
     """Cheap per-batch diagnostics: last-step, best-step and (if a policy ran) expected loss and depth."""
     with torch.no_grad():
@@ -195,6 +221,7 @@ def deep_supervision(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfi
     """Baseline: sum_t w_t l_t with w_t = gamma^(T-t) normalised (LISTA, Sec. 5.1), the last step only
     (a plain network), or given weights (SDN's internal-classifier weights)."""
     r = sm.unroll(inputs, target, loss_fn, use_policy=False)
+    check_finite_steps("per-step losses", r.losses)
     T = sm.num_steps
     if cfg.variant == "last":
         w = torch.zeros(T).index_fill_(0, torch.tensor([T - 1]), 1.0)
@@ -215,11 +242,13 @@ def stage1(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfig, generat
     if cfg.variant == "sampled" and cfg.recompute:
         with torch.no_grad():
             losses = sm.unroll(inputs, target, loss_fn, use_policy=False).losses
+        check_finite_steps("per-step losses", losses)
         t_s = sample_stop_time(log_oracle_distribution(losses, cfg.beta, prior), generator) + 1
         # Recompute only steps 1..t_s with gradients; samples drop out of the batch after their t_s.
         r = run_with_early_exit(sm.model, inputs, StopAtTimes(t_s))
         return loss_fn(r.outputs, target).mean(), _summary(losses, None, cfg.beta)
     r = sm.unroll(inputs, target, loss_fn, use_policy=False)
+    check_finite_steps("per-step losses", r.losses)
     if cfg.variant == "expected":
         loss = L.stage1_expected_loss(r.losses, cfg.beta, prior)
     elif cfg.variant == "marginal":
@@ -234,6 +263,8 @@ def stage2(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfig, generat
     """Stage II: theta frozen; fit pi_phi to the oracle by forward KL, MAP target or reverse KL."""
     _need_policy(sm)
     r = sm.unroll(inputs, target, loss_fn, model_grad=False)
+    check_finite_steps("per-step losses", r.losses)
+    check_finite_steps("stop logits", r.stop_logits)
     prior = cfg.model_log_prior(sm.model)
     if cfg.variant == "forward_kl":
         loss = L.stage2_forward_kl(r.stop_logits, r.losses, cfg.beta, prior)
@@ -249,6 +280,8 @@ def stage3(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfig, generat
     """Stage III (and AEVB from scratch): theta and phi together on the beta-VAE objective (Eq. 5)."""
     _need_policy(sm)
     r = sm.unroll(inputs, target, loss_fn)
+    check_finite_steps("per-step losses", r.losses)
+    check_finite_steps("stop logits", r.stop_logits)
     loss = L.beta_vae_loss(r.stop_logits, r.losses, cfg.beta, cfg.model_log_prior(sm.model))
     return loss, _summary(r.losses.detach(), r.stop_logits.detach(), cfg.beta)
 

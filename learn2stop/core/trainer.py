@@ -32,7 +32,7 @@ from ..utils.distributed import DistContext
 from .calibration import InferenceConfig
 from .distributions import exit_costs
 from .loop import StoppingModel, tree_map
-from .objectives import StageConfig, StageObjective
+from .objectives import NonFiniteError, StageConfig, StageObjective
 from .rules import first_crossing, signal_trace
 
 
@@ -199,6 +199,7 @@ class StagedTrainer:
                 return ck["summary"]
             opt.load_state_dict(ck["optimizer"])
             start, best, elapsed = ck["iteration"], ck["best_score"], ck.get("elapsed", 0.0)
+        saved_at = start if start > 0 else None  # the last good checkpoint of this stage, kept if it diverges
 
         if self.ctx.is_main and (self.run_dir / "metrics.jsonl").is_file():
             # records logged after the checkpoint we resume from would otherwise appear twice
@@ -215,6 +216,8 @@ class StagedTrainer:
         local_batch = -(-cfg.batch_size // self.ctx.world_size)
 
         def checkpoint(iteration: int, completed: bool = False, summary: dict | None = None) -> None:
+            nonlocal saved_at
+            saved_at = iteration
             if self.ctx.is_main:
                 save_checkpoint({"stage": name, "stage_config": to_dict(cfg), "iteration": iteration,
                                  "completed": completed, "best_score": best, "elapsed": elapsed,
@@ -231,23 +234,32 @@ class StagedTrainer:
             inputs, target = self.task.sample_batch(local_batch, gen, self.ctx.device)
             for group in opt.param_groups:
                 group["lr"] = cfg.lr_at(it)
-            loss, metrics = step_fn(inputs, target, gen)
+            try:
+                loss, metrics = step_fn(inputs, target, gen)
+            except NonFiniteError as e:  # the objective names the per-step quantity and the steps
+                raise self._diverged(name, it + 1, f"the loss is not finite ({e})", cfg, saved_at) from None
             loss_value = float(loss.detach())
-            if not torch.isfinite(loss.detach()):
-                raise FloatingPointError(
-                    f"stage {name!r}: the loss became {loss_value} at iteration {it + 1}; "
-                    f"lower the learning rate ({cfg.lr}) or set grad_clip")
+            if not math.isfinite(loss_value):
+                raise self._diverged(name, it + 1, f"the loss is {loss_value}", cfg, saved_at)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            else:
+                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            if not torch.isfinite(grad_norm):  # a finite loss can still have an inf gradient: never step with it
+                raise self._diverged(name, it + 1, f"the gradient norm is {float(grad_norm)} (loss {loss_value:.4g})",
+                                     cfg, saved_at)
             opt.step()
             bar.update(1)
             done = it + 1
             if done % 10 == 0 or done == cfg.iterations:
                 bar.set_postfix(loss=f"{loss_value:.4g}")
             if done % cfg.eval_every == 0 or done == cfg.iterations:
-                scores = self._validate(cfg)
+                try:
+                    scores = self._validate(cfg)
+                except FloatingPointError as e:
+                    raise self._diverged(name, done, f"validation failed: {e}", cfg, saved_at) from None
                 self._set_modes(cfg)
                 score = scores[cfg.select] if cfg.select != "none" else -done
                 if score < best:
@@ -275,6 +287,16 @@ class StagedTrainer:
         for p in self.sm.parameters():
             p.requires_grad_(True)
         return summary
+
+    def _diverged(self, name: str, iteration: int, what: str, cfg: StageConfig, saved_at: int | None) -> NonFiniteError:
+        """The error of a stage that went non-finite: stage, iteration, quantity, and what is kept on disk."""
+        if saved_at is None:
+            kept = f"no checkpoint of this stage was written yet (checkpoint_every {cfg.checkpoint_every})"
+        else:
+            kept = (f"the last good checkpoint {self.ckpt_dir.name}/{name}.pt (iteration {saved_at}) is kept "
+                    f"and nothing after it was written")
+        hint = f"lower the stage's learning rate (lr {cfg.lr:g})" + ("" if cfg.grad_clip else " or set grad_clip")
+        return NonFiniteError(f"stage {name!r}: {what} at iteration {iteration}; {kept}; {hint}")
 
     def _load_weights(self, ck: dict, path: Path) -> None:
         try:
