@@ -24,11 +24,13 @@ from torch.func import grad, vmap
 
 from ...core.loop import StoppingModel, tree_leaves, tree_map
 from ...core.trainer import derive_seed
-from ...utils.config import ints_at_least, one_of, positive
+from ...utils.config import ints_at_least, non_negative, one_of, positive
 from ...utils.registry import Registry
 from .policy import MAMLStopPolicy
 
 NETWORKS: Registry[type] = Registry("MAML network")
+#: default bound on a task's inner gradient norm (ModelConfig.inner_grad_clip)
+INNER_GRAD_CLIP = 10.0
 
 
 def masked_batch_norm(x: Tensor, mask: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
@@ -149,6 +151,18 @@ def map_tasks(fn, in_dims: tuple, *args, mode: str = "vmap"):
     return _stack(outs)
 
 
+def clip_task_gradients(grads: dict[str, Tensor], max_norm: float) -> dict[str, Tensor]:
+    """Scale each task's gradient down to norm ``max_norm`` where it is larger (per task, over all tensors).
+
+    Args: grads {name: (B, *shape)}, one row per task. Differentiable (second-order MAML sees the
+    scaling); a zero gradient stays zero with a finite derivative.
+    """
+    sq = sum(g.flatten(1).pow(2).sum(dim=1) for g in grads.values())  # (B,)
+    norm = sq.clamp_min(1e-30).sqrt()  # clamp: a finite derivative at a zero gradient
+    scale = torch.where(norm > max_norm, max_norm / norm, torch.ones_like(norm))  # (B,)
+    return {k: g * scale.view(-1, *[1] * (g.dim() - 1)) for k, g in grads.items()}
+
+
 class MAMLModel(nn.Module):
     """MAML as a step-wise model: output t is the query prediction after ``t * updates_per_step`` updates.
 
@@ -163,6 +177,10 @@ class MAMLModel(nn.Module):
         policy_features: also compute the support-set features the stopping policy reads.
         task_batching: ``"vmap"``, ``"loop"`` (see :func:`map_tasks`) or ``"auto"``: vmap on GPU
             tensors, the network's ``cpu_batching`` on CPU tensors (Conv4: loop, MLP: vmap).
+        inner_grad_clip: the most an inner step may move a task's fast weights, as a norm of its
+            support gradient (all adapted tensors together): a larger gradient is scaled down to this
+            norm, so T steps move the weights by at most ``T * inner_lr * inner_grad_clip`` and the
+            inner loop cannot diverge whatever the meta-parameters. 0 turns the bound off.
 
     Inputs: the meta-batch tree of ``samplers.py``. Output at step t: a dict with ``pred`` (B, Q, out),
     and with ``policy_features``: ``support_pred`` (B, S, out), ``support_loss`` (B,),
@@ -171,8 +189,11 @@ class MAMLModel(nn.Module):
 
     def __init__(self, net: nn.Module, num_steps: int, inner_lr: float, first_order: bool = False,
                  loss: str = "cross_entropy", updates_per_step: int = 1, policy_features: bool = False,
-                 task_batching: str = "auto"):
+                 task_batching: str = "auto", inner_grad_clip: float = 0.0):
         super().__init__()
+        if not (math.isfinite(inner_grad_clip) and inner_grad_clip >= 0):
+            raise ValueError(f"inner_grad_clip must be a finite number >= 0 (0: no bound); got {inner_grad_clip!r}")
+        self.inner_grad_clip = inner_grad_clip
         if loss not in ("cross_entropy", "mse"):
             raise ValueError(f"loss must be 'cross_entropy' or 'mse'; got {loss!r}")
         if task_batching not in ("auto", "vmap", "loop"):
@@ -203,6 +224,8 @@ class MAMLModel(nn.Module):
                       inputs["support_y"], inputs["support_mask"], mode=self._mode(inputs))
         if self.first_order:
             g = {k: v.detach() for k, v in g.items()}
+        if self.inner_grad_clip > 0:
+            g = clip_task_gradients(g, self.inner_grad_clip)
         return {k: fast[k] - self.inner_lr * g[k] for k in fast}
 
     def _mode(self, inputs: dict) -> str:
@@ -277,18 +300,24 @@ def confidence_interval(values: Tensor) -> tuple[float, float]:
 
 @dataclass
 class ModelConfig:
-    """The learner and its inner loop. inner_steps: T (the policy picks among steps 1..T)."""
+    """The learner and its inner loop. inner_steps: T (the policy picks among steps 1..T).
+
+    inner_grad_clip: bound on each task's inner gradient norm (see :class:`MAMLModel`); it keeps the
+    late inner steps from diverging when Stage I rarely trains them. 0 is the paper's unbounded step.
+    """
 
     network: str = "conv4"
     hidden: int = 64
     inner_steps: int = 10
     inner_lr: float = 0.1
     first_order: bool = False
+    inner_grad_clip: float = INNER_GRAD_CLIP
 
     def __post_init__(self):
         one_of(self.network, NETWORKS.names(), "network")
         ints_at_least(self, "hidden", "inner_steps")
         positive(self.inner_lr, "inner_lr")
+        non_negative(self.inner_grad_clip, "inner_grad_clip")
 
 
 # ----------------------------------------------------------------------------- builders (cfg: a MAMLConfig)
@@ -316,12 +345,14 @@ def build(cfg, device, *, seed_offset: str = "") -> tuple[StoppingModel, Stoppin
         net_stop = make_network(cfg)
         net_stop.load_state_dict(net.state_dict())
         policy = MAMLStopPolicy(net_stop.feat_dim, 1 if loss == "mse" else cfg.data.n_way, T, classification=loss != "mse")
-    maml = StoppingModel(MAMLModel(net, 1, m.inner_lr, m.first_order, loss, updates_per_step=T))
-    stop = StoppingModel(MAMLModel(net_stop, T, m.inner_lr, m.first_order, loss, policy_features=True), policy)
+    clip = m.inner_grad_clip
+    maml = StoppingModel(MAMLModel(net, 1, m.inner_lr, m.first_order, loss, updates_per_step=T, inner_grad_clip=clip))
+    stop = StoppingModel(MAMLModel(net_stop, T, m.inner_lr, m.first_order, loss, policy_features=True,
+                                   inner_grad_clip=clip), policy)
     return maml.to(device), stop.to(device)
 
 
 def step_view(maml: StoppingModel, cfg) -> MAMLModel:
     """The MAML baseline's network seen step by step (T outputs), to report its metric per step."""
     m = maml.model
-    return MAMLModel(m.net, cfg.model.inner_steps, m.inner_lr, m.first_order, m.loss)
+    return MAMLModel(m.net, cfg.model.inner_steps, m.inner_lr, m.first_order, m.loss, inner_grad_clip=m.inner_grad_clip)
