@@ -1,0 +1,118 @@
+"""The stop rules of :mod:`learn2stop.core.rules` in numpy, for the deployed runtime.
+
+Each rule scores the running rows at a step where it is asked and stops those whose score reaches
+the manifest's threshold (score units, as :class:`~learn2stop.core.rules.SignalRule` compares):
+
+- ``threshold``: pi_t = sigmoid(logit_t);
+- ``quantile``: -log prod_{s<=t} (1 - pi_s), i.e. 1 - prod (1 - pi_s) >= alpha (memory: one float per row);
+- ``confidence``: the max softmax probability of the output; ``entropy``: minus the softmax entropy;
+- ``fixed``: nobody is asked; the export ends at the depth.
+
+A planning policy (``plan_step``) gives all its logits at once: the same scores over the plan fix each
+row's stop step there. Arithmetic is float32, as in torch, so stop times match the torch loop.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def log_sigmoid(x: np.ndarray) -> np.ndarray:
+    """log sigmoid(x), stable for large |x| (float32 in, float32 out)."""
+    return (np.minimum(x, 0) - np.log1p(np.exp(-np.abs(x)))).astype(np.float32, copy=False)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return np.exp(log_sigmoid(x))
+
+
+def _softmax_scores(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    z = logits.astype(np.float32, copy=False)
+    z = z - z.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    s = e.sum(axis=-1, keepdims=True)
+    return e / s, z - np.log(s)
+
+
+class Rule:
+    """Base: ``decide(t, output, logit) -> (B_active,) bool``; ``compact(keep)`` follows the batch."""
+
+    uses_logit = False
+    uses_output = False
+
+    def __init__(self, threshold: float):
+        self.threshold = np.float32(threshold)
+
+    def start(self, batch: int) -> None:
+        pass
+
+    def compact(self, keep: np.ndarray) -> None:
+        pass
+
+    def decide(self, t: int, output, logit: np.ndarray | None) -> np.ndarray:
+        raise NotImplementedError
+
+    def plan_stop_steps(self, plan: np.ndarray) -> np.ndarray:
+        """1-based stop step of each row from a planning policy's (B, T-1) logits (T if none reached)."""
+        scores = self.plan_scores(plan.astype(np.float32, copy=False))
+        hit = np.concatenate([scores >= self.threshold, np.ones((plan.shape[0], 1), bool)], axis=1)
+        return hit.argmax(axis=1) + 1
+
+    def plan_scores(self, plan: np.ndarray) -> np.ndarray:
+        raise ValueError(f"the {type(self).__name__} rule cannot read a planning policy's logits")
+
+
+class ThresholdRule(Rule):
+    uses_logit = True
+
+    def decide(self, t, output, logit):
+        return sigmoid(logit.astype(np.float32, copy=False)) >= self.threshold
+
+    def plan_scores(self, plan):
+        return sigmoid(plan)
+
+
+class QuantileRule(Rule):
+    uses_logit = True
+
+    def start(self, batch):
+        self.log_survival = np.zeros(batch, np.float32)  # log prod_{s<=t} (1 - pi_s) of each running row
+
+    def compact(self, keep):
+        self.log_survival = self.log_survival[keep]
+
+    def decide(self, t, output, logit):
+        self.log_survival += log_sigmoid(-logit.astype(np.float32, copy=False))
+        return -self.log_survival >= self.threshold
+
+    def plan_scores(self, plan):
+        return -np.cumsum(log_sigmoid(-plan), axis=1, dtype=np.float32)
+
+
+class ConfidenceRule(Rule):
+    uses_output = True
+
+    def decide(self, t, output, logit):
+        return _softmax_scores(output)[0].max(axis=-1) >= self.threshold
+
+
+class EntropyRule(Rule):
+    uses_output = True
+
+    def decide(self, t, output, logit):
+        p, logp = _softmax_scores(output)
+        return (p * logp).sum(axis=-1) >= self.threshold
+
+
+class FixedRule(Rule):
+    def decide(self, t, output, logit):
+        raise AssertionError("a fixed depth is never asked: its export ends at the depth")
+
+
+RULES = {"threshold": ThresholdRule, "quantile": QuantileRule, "confidence": ConfidenceRule,
+         "entropy": EntropyRule, "fixed": FixedRule}
+
+
+def make_rule(spec: dict) -> Rule:
+    """The numpy rule of a manifest's ``rule`` entry (threshold null = never stops early)."""
+    thr = spec.get("threshold")
+    return RULES[spec["name"]](np.inf if thr is None else float(thr))

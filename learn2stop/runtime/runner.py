@@ -1,0 +1,187 @@
+"""The early-exit loop over an export's step graphs, with batch compaction, in numpy + ONNX Runtime.
+
+Per step t: run graph t on the rows still going; where the rule is asked, decide who stops; write the
+stopped rows' outputs straight into preallocated arrays (no final concatenation or reordering), and
+keep going with the others only (state, rule memory, and the inputs that later graphs still read). At
+batch 1 a stop simply ends the loop. Semantics as :func:`learn2stop.core.loop.run_with_early_exit`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .manifest import ManifestError, read_manifest
+from .rules import make_rule
+
+
+@dataclass
+class RuntimeResult:
+    """outputs: an array (or a dict of arrays for several outputs) in input order; stop_times: (B,) 1-based."""
+
+    outputs: Any
+    stop_times: np.ndarray
+    num_steps: int
+
+    @property
+    def steps_computed(self) -> int:
+        return int(self.stop_times.sum())
+
+    @property
+    def mean_depth(self) -> float:
+        return float(self.stop_times.mean())
+
+
+class StopRuntime:
+    """An exported stop model, ready to run.
+
+    Args:
+        folder: the export (``manifest.json`` and the ``step_*.onnx`` graphs); checked on load.
+        threads: ONNX Runtime's intra-op threads (1 is fastest on a busy machine).
+        providers: ONNX Runtime execution providers (default: CPU).
+    """
+
+    def __init__(self, folder: str | Path, threads: int = 1, providers: list[str] | None = None):
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise ImportError("the runtime needs onnxruntime: pip install onnxruntime (or learn2stop[deploy])") from None
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an integer >= 1; got {threads!r}")
+        self.folder = Path(folder)
+        self.manifest = m = read_manifest(self.folder)
+        self.num_steps, self.last_step = m["num_steps"], m["last_step"]
+        self.inputs, self.outputs = m["inputs"], m["outputs"]
+        self.rule_spec = m["rule"]
+        self.exit_costs = m["exit_costs"]
+        self._never_stop = np.float32((m.get("policy") or {}).get("never_stop_logit", -50.0))
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self._sessions, self._steps = [], m["steps"]
+        for s in self._steps:
+            path = self.folder / s["file"]
+            try:
+                sess = ort.InferenceSession(str(path), opts, providers=providers or ["CPUExecutionProvider"])
+            except Exception as e:  # ONNX Runtime raises its own exception types
+                raise ManifestError(f"{path} cannot be loaded by ONNX Runtime: {str(e).splitlines()[0]}") from None
+            names = [i.name for i in sess.get_inputs()]
+            if sorted(names) != sorted(s["inputs"]):
+                raise ManifestError(f"{path} reads {names}, but {self.folder / 'manifest.json'} says {s['inputs']}")
+            self._sessions.append(sess)
+        in_names = [i["name"] for i in self.inputs]
+        # after step t, only the inputs some later graph reads are compacted with the batch
+        self._later_inputs = [sorted({n for s in self._steps[t:] for n in s["inputs"] if n in in_names})
+                              for t in range(1, len(self._steps) + 1)]
+        self._n_out = len(self.outputs)
+
+    # ------------------------------------------------------------------ input checks
+    def _check(self, inputs: Any) -> dict[str, np.ndarray]:
+        """Inputs as {name: array}; wrong names, shapes, dtypes and NaN / inf are refused, naming the input."""
+        if not isinstance(inputs, dict):
+            if len(self.inputs) != 1:
+                raise ValueError(f"this model takes several inputs; pass a dict with {[i['name'] for i in self.inputs]}")
+            inputs = {self.inputs[0]["name"]: inputs}
+        expected = {i["name"] for i in self.inputs}
+        if set(inputs) != expected:
+            raise ValueError(f"inputs: expected {sorted(expected)}; got {sorted(inputs)}")
+        out, batch = {}, None
+        for spec in self.inputs:
+            name, x = spec["name"], inputs[spec["name"]]
+            if not isinstance(x, np.ndarray):
+                raise TypeError(f"input {name!r}: must be a numpy array; got {type(x).__name__}")
+            shape = tuple(spec["shape"][1:])
+            if x.ndim != len(shape) + 1 or tuple(x.shape[1:]) != shape:
+                raise ValueError(f"input {name!r}: expected shape (B, {', '.join(map(str, shape))}); got {x.shape}")
+            if x.dtype != np.dtype(spec["dtype"]):
+                raise ValueError(f"input {name!r}: expected dtype {spec['dtype']}; got {x.dtype} (convert it first)")
+            if x.shape[0] == 0:
+                raise ValueError(f"input {name!r}: empty batch")
+            if batch is not None and x.shape[0] != batch:
+                raise ValueError(f"input {name!r}: batch size {x.shape[0]} differs from the other inputs' {batch}")
+            batch = x.shape[0]
+            if np.issubdtype(x.dtype, np.floating):
+                bad = ~np.isfinite(x.reshape(batch, -1)).all(axis=1)
+                if bad.any():
+                    raise ValueError(f"input {name!r}: NaN or inf values in {int(bad.sum())} sample(s); clean or drop them first")
+            out[name] = np.ascontiguousarray(x)
+        return out
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, inputs: Any) -> RuntimeResult:
+        """Early exit for a batch: ``inputs`` an array (B, ...) or a dict of arrays, as the manifest lists."""
+        feeds = self._check(inputs)
+        B = next(iter(feeds.values())).shape[0]
+        rule = make_rule(self.rule_spec)
+        rule.start(B)
+        outs = [np.empty((B, *o["shape"][1:]), dtype=o["dtype"]) for o in self.outputs]
+        stop_times = np.full(B, self.last_step, dtype=np.int64)
+        active = np.arange(B)
+        planned = None  # stop step per running row, once a planning policy has spoken
+        state: list[np.ndarray] = []
+        for i, (sess, step) in enumerate(zip(self._sessions, self._steps)):
+            t = step["t"]
+            feed = {n: feeds[n] for n in step["inputs"] if n in feeds}
+            for j, x in enumerate(state):
+                feed[f"state.{j}"] = x
+            res = sess.run(None, feed)
+            n_state = len(res) - (self._n_out if step["readout"] else 0) - (step["policy"] is not None)
+            state = res[:n_state]
+            if t == self.last_step:
+                self._write(outs, res[n_state:n_state + self._n_out], active, None)
+                break
+            if not step["readout"]:
+                continue
+            output = res[n_state:n_state + self._n_out]
+            if step["policy"] == "plan":  # the steps before the plan cannot stop any more
+                plan = np.array(res[-1], dtype=np.float32)
+                plan[:, :t - 1] = self._never_stop
+                planned = np.maximum(rule.plan_stop_steps(plan), t)
+                stop = planned == t
+            elif planned is not None:
+                stop = planned == t
+            else:
+                logit = res[-1] if step["policy"] == "logit" else None
+                if rule.uses_logit and logit is None:
+                    continue  # the policy is not asked at this step (before its min_step)
+                stop = rule.decide(t, output[0] if len(output) == 1 else output, logit)
+            n_stop = int(stop.sum())
+            if not n_stop:
+                continue
+            if n_stop == active.size:  # everyone left stops here (at batch 1: a stop ends the loop)
+                self._write(outs, output, active, None)
+                stop_times[active] = t
+                break
+            gone = np.flatnonzero(stop)
+            self._write(outs, output, active[gone], gone)
+            stop_times[active[gone]] = t
+            keep = ~stop
+            active = active[keep]
+            state = [x[keep] for x in state]
+            rule.compact(keep)
+            if planned is not None:
+                planned = planned[keep]
+            for n in self._later_inputs[i]:
+                feeds[n] = feeds[n][keep]
+        outputs = outs[0] if self._n_out == 1 else {o["name"]: a for o, a in zip(self.outputs, outs)}
+        return RuntimeResult(outputs=outputs, stop_times=stop_times, num_steps=self.num_steps)
+
+    @staticmethod
+    def _write(outs: list[np.ndarray], values: list[np.ndarray], rows: np.ndarray, pick: np.ndarray | None) -> None:
+        for o, v in zip(outs, values):
+            o[rows] = v if pick is None else v[pick]
+
+    def run_one(self, sample: Any) -> tuple[Any, int]:
+        """One input without a batch axis (an array, or a dict of arrays): (its output, its stop step)."""
+        batched = ({k: np.asarray(v)[None] if isinstance(v, np.ndarray) else v for k, v in sample.items()}
+                   if isinstance(sample, dict) else (sample[None] if isinstance(sample, np.ndarray) else sample))
+        r = self.run(batched)
+        out = r.outputs[0] if self._n_out == 1 else {k: v[0] for k, v in r.outputs.items()}
+        return out, int(r.stop_times[0])
+
+
+def load(folder: str | Path, threads: int = 1, providers: list[str] | None = None) -> StopRuntime:
+    """Load an export folder (checked against its manifest and checksums); see :class:`StopRuntime`."""
+    return StopRuntime(folder, threads=threads, providers=providers)
