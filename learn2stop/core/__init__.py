@@ -27,6 +27,7 @@ from .calibration import (Calibration, InferenceConfig, calibrate_budget, calibr
                           save_calibration)
 from .distributions import exit_costs, log_cost_oracle_distribution, log_cost_prior
 from .evaluation import Metric, Trace, collect_trace, evaluate_rule
+from .exits import ExitNetwork, attach_exits, sdn_exit_points
 from .objectives import OBJECTIVES, MethodConfig, StageConfig, StageObjective
 from .pipeline import Stage, StoppingApp, load_stage, run_pipeline
 from .rules import (ConfidenceSignal, EntropySignal, PatienceSignal, PolicySignal, QuantileSignal, SignalRule,
@@ -88,4 +89,7 @@ __all__ = [
     "derive_seed",
     "validation_scores",
     "load_finished_stage",
+    "attach_exits",
+    "ExitNetwork",
+    "sdn_exit_points",
 ]
