@@ -47,6 +47,7 @@ def build_parser(task_name: str) -> argparse.ArgumentParser:
     cal.add_argument("--delta", type=float, default=0.1, help="calibrate: the bound holds with probability >= 1 - delta")
     cal.add_argument("--rule", default=None, help="calibrate: which rule (default: inference.rule)")
     cal.add_argument("--no-speed", action="store_true", help="frontier: skip the wall-clock measurements")
+    parser.add_argument("--out", default=None, help="export: folder for the ONNX graphs and manifest (new, or an earlier export)")
     add_config_arguments(parser, spec.config_class)
     return parser
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     run = RunContext(run_dir=Path(args.run_dir or f"runs/{task_name}-{args.preset}"), ctx=ctx,
                      progress=not args.no_progress, resume=not args.no_resume,
                      options={"budget": args.budget, "epsilon": args.epsilon, "delta": args.delta, "rule": args.rule,
-                              "no_speed": args.no_speed})
+                              "no_speed": args.no_speed, "out": args.out})
     try:
         if args.command == "calibrate":  # the flags first: a bad target touches no run directory
             from .core.calibration import check_budget, check_risk
@@ -104,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
                 check_budget(args.budget)
             if args.epsilon is not None:
                 check_risk(args.epsilon, args.delta)
+        if args.command == "export":  # likewise: a bad --out touches no run directory
+            from .export import check_out_dir
+
+            check_out_dir(args.out)
         run.prepare(cfg, args.command)
         spec.commands[args.command](cfg, run)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError, OSError) as e:

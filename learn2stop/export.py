@@ -193,7 +193,11 @@ def is_export(folder: str | Path) -> bool:
         return False
 
 
-def _check_out_dir(out: Path) -> None:
+def check_out_dir(out: str | Path | None) -> None:
+    """Refuse an output folder that is missing, a file, or a non-empty folder that is not an earlier export."""
+    if not out:
+        raise ExportError("--out: give the folder to write the export to (a new folder, or an earlier export)")
+    out = Path(out)
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out: {out} exists and is a file; give a new folder or an earlier export")
     if out.is_dir() and any(out.iterdir()) and not is_export(out):
@@ -273,7 +277,7 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
     except ImportError:
         raise ExportError("export needs the 'onnx' package: pip install -e \".[deploy]\"") from None
     out = Path(out_dir)
-    _check_out_dir(out)
+    check_out_dir(out)
     model, policy = sm.model, getattr(sm, "policy", None)
     check_stepwise(model)
     check_inputs(example_inputs, "example inputs")
@@ -375,9 +379,7 @@ def export_command(app: Any, cfg: Any, run: Any, *, out: str | None, task: str =
     why = getattr(app, "export_unsupported", "")
     if why:
         raise ConfigError(f"export: {why}")
-    if not out:
-        raise ConfigError("--out: give the folder to write the export to (a new folder, or an earlier export)")
-    _check_out_dir(Path(out))
+    check_out_dir(out)
     _require_trained(run.run_dir, app.stop_stage, "export")
     sm = load_stage(app, cfg, run.run_dir, app.stop_stage, "cpu")
     inference = app.inference(cfg)

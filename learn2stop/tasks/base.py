@@ -126,7 +126,7 @@ TASKS: Registry[TaskSpec] = Registry("task")
 
 
 def register_task(spec: TaskSpec) -> TaskSpec:
-    """Register a task; a task with a :class:`StoppingApp` gets ``calibrate`` and ``frontier`` too."""
+    """Register a task; a task with a :class:`StoppingApp` gets ``calibrate``, ``frontier`` and ``export`` too."""
     if spec.app is not None:
         from ..core.pipeline import calibrate_command, frontier_command
 
@@ -138,8 +138,14 @@ def register_task(spec: TaskSpec) -> TaskSpec:
         def frontier(cfg, run):
             return frontier_command(spec.app, cfg, run, speed=not run.options.get("no_speed", False))
 
+        def export(cfg, run):
+            from ..export import export_command
+
+            return export_command(spec.app, cfg, run, out=run.options.get("out"), task=spec.name)
+
         spec.commands.setdefault("calibrate", calibrate)
         spec.commands.setdefault("frontier", frontier)
+        spec.commands.setdefault("export", export)
     TASKS.register(spec.name)(spec)
     return spec
 

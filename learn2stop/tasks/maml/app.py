@@ -129,6 +129,9 @@ class MAMLApp(StoppingApp):
 
     speed_batch = 100  # a natural large batch of tasks
     speed_samples = 50  # tasks timed one by one at batch 1 (each runs up to T inner loops)
+    #: why ``export`` refuses this task (see :mod:`learn2stop.export` and the README's "Export and serve")
+    export_unsupported = ("MAML's steps are inner gradient updates (torch.func.grad of the support loss); an ONNX "
+                          "inference graph has no gradient operator, so the steps cannot run in ONNX Runtime")
 
     def __init__(self):
         self._data: tuple[str, Data] | None = None

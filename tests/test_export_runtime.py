@@ -1,0 +1,252 @@
+"""Export to ONNX and the torch-free runtime: the same stop times and outputs as StoppingModel, refusals."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+from learn2stop.cli import main  # noqa: E402
+from learn2stop.core.calibration import InferenceConfig  # noqa: E402
+from learn2stop.core.loop import StoppingModel  # noqa: E402
+from learn2stop.export import ExportError, export_stop_model  # noqa: E402
+from learn2stop.runtime import ManifestError, load  # noqa: E402
+from learn2stop.tasks.classify.models import build_network  # noqa: E402
+from learn2stop.tasks.classify.policy import ExitPolicy  # noqa: E402
+from learn2stop.tasks.sparse.models import LISTA  # noqa: E402
+from learn2stop.tasks.sparse.policy import SparseStopPolicy  # noqa: E402
+
+
+def _randomise(module: nn.Module, seed: int, scale: float = 1.0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in module.parameters():
+        p.data = torch.randn(p.shape, generator=g) * scale
+
+
+@pytest.fixture(scope="module")
+def sparse_sm():
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(13, 27, generator=g) / 13 ** 0.5
+    policy = SparseStopPolicy(A, 7, "sketch", 4, (8,))
+    _randomise(policy, 1)
+    policy.min_step = 2
+    y = torch.randn(96, 13, generator=g)
+    return StoppingModel(LISTA(A, 7), policy).eval(), y
+
+
+@pytest.fixture(scope="module")
+def classify_sm():
+    torch.manual_seed(0)
+    net = build_network("vgg6-narrow", 5, 16, fc_width=16)
+    _randomise(net.heads, 7)  # exits whose logits differ from image to image: varied confidences and stops
+    policy = ExitPolicy(5, net.num_steps, hidden=8)
+    _randomise(policy, 2)
+    x = torch.randn(48, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    return StoppingModel(net, policy).eval(), x
+
+
+class TinyPlanner(nn.Module):
+    """A planning policy: called once at ``plan_step``, returns the (B, T-1) stop logits of every step."""
+
+    def __init__(self, n: int, T: int, plan_step: int):
+        super().__init__()
+        self.plan_step, self.net = plan_step, nn.Linear(n + 13, T - 1)
+
+    def forward(self, y, x, t):
+        return 3 * self.net(torch.cat([x, y], 1))
+
+
+def _same_as_torch(sm, inputs, rule, folder, *, batch1=4):
+    """Export, run both, compare; return the torch stop times."""
+    export_stop_model(sm, rule, inputs[:2], folder, task="test")
+    rt = load(folder)
+    with torch.no_grad():
+        ref = sm(inputs, inference=rule) if isinstance(rule, InferenceConfig) else None
+    got = rt.run(inputs.numpy())
+    np.testing.assert_array_equal(got.stop_times, ref.stop_times.numpy())
+    np.testing.assert_allclose(got.outputs, ref.outputs.numpy(), atol=1e-5, rtol=1e-5)
+    assert got.steps_computed == ref.steps_computed
+    for i in range(batch1):  # batch 1: a stop ends the loop
+        out, t = rt.run_one(inputs[i].numpy())
+        assert t == int(ref.stop_times[i])
+        np.testing.assert_allclose(out, ref.outputs[i].numpy(), atol=1e-5, rtol=1e-5)
+    return ref.stop_times
+
+
+@pytest.mark.parametrize("rule,param", [("quantile", 0.5), ("threshold", 0.6)])
+def test_sparse_runtime_stops_where_the_torch_loop_stops(sparse_sm, tmp_path, rule, param):
+    sm, y = sparse_sm
+    times = _same_as_torch(sm, y, InferenceConfig(rule=rule, param=param), tmp_path / "exp", batch1=6)
+    assert times.unique().numel() >= 2 and int(times.min()) >= 2  # varied stops, none before min_step
+
+
+@pytest.mark.parametrize("rule,param", [("quantile", 0.8), ("confidence", 0.8)])
+def test_classify_runtime_stops_where_the_torch_loop_stops(classify_sm, tmp_path, rule, param):
+    sm, x = classify_sm
+    times = _same_as_torch(sm, x, InferenceConfig(rule=rule, param=param), tmp_path / "exp")
+    assert times.unique().numel() >= 2
+    m = json.loads((tmp_path / "exp" / "manifest.json").read_text())
+    assert m["inputs"] == [{"name": "inputs", "shape": [None, 3, 16, 16], "dtype": "float32"}]
+    assert len(m["exit_costs"]) == sm.num_steps and m["exit_costs"] == sorted(m["exit_costs"])
+    # the convolutional steps never read the images again: they are not compacted with the batch
+    assert all(s["inputs"] == ["state.0"] for s in m["steps"][1:])
+
+
+def test_planning_policy_fixes_the_depth_once(sparse_sm, tmp_path):
+    sm, y = sparse_sm
+    planner = TinyPlanner(27, 7, plan_step=3)
+    _randomise(planner, 4)
+    planned = StoppingModel(sm.model, planner).eval()
+    times = _same_as_torch(planned, y, InferenceConfig(rule="quantile", param=0.5), tmp_path / "exp")
+    assert times.unique().numel() >= 2 and int(times.min()) >= 3
+    m = json.loads((tmp_path / "exp" / "manifest.json").read_text())
+    assert [s["policy"] for s in m["steps"]] == [None, None, "plan", None, None, None, None]
+
+
+def test_fixed_depth_exports_only_the_steps_it_runs(sparse_sm, tmp_path):
+    sm, y = sparse_sm
+    export_stop_model(sm, {"name": "fixed", "param": 4}, y[:2], tmp_path / "exp")
+    rt = load(tmp_path / "exp")
+    got = rt.run(y.numpy())
+    with torch.no_grad():
+        ref = sm.unroll(y, keep_outputs=True).step_outputs[3]
+    assert (got.stop_times == 4).all() and sorted(p.name for p in (tmp_path / "exp").glob("*.onnx")) == \
+        [f"step_0{t}.onnx" for t in range(1, 5)]
+    np.testing.assert_allclose(got.outputs, ref.numpy(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def exported(sparse_sm, tmp_path_factory):
+    sm, y = sparse_sm
+    folder = tmp_path_factory.mktemp("exp") / "sparse"
+    export_stop_model(sm, InferenceConfig(rule="quantile", param=0.5), y[:2], folder, task="sparse")
+    return folder, y
+
+
+def test_the_runtime_imports_and_runs_without_torch(exported):
+    folder, y = exported
+    np.save(folder.parent / "y.npy", y.numpy())
+    code = f"""
+import sys
+class HideTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is hidden")
+sys.meta_path.insert(0, HideTorch())
+import numpy as np
+from learn2stop.runtime import load
+r = load({str(folder)!r}).run(np.load({str(folder.parent / 'y.npy')!r}))
+assert "torch" not in sys.modules
+print(",".join(map(str, r.stop_times)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ",".join(map(str, load(folder).run(y.numpy()).stop_times))
+
+
+def test_corrupt_manifest_and_changed_graphs_are_refused(exported, tmp_path):
+    import shutil
+
+    folder, _ = exported
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    (bad / "step_02.onnx").write_bytes((bad / "step_02.onnx").read_bytes() + b"\0")
+    with pytest.raises(ManifestError, match="step_02.onnx does not match its sha256"):
+        load(bad)
+    (bad / "step_02.onnx").unlink()
+    with pytest.raises(ManifestError, match="step_02.onnx is missing"):
+        load(bad)
+    (bad / "manifest.json").write_text('{"format": "learn2stop-onnx", "version": 1, "num_')
+    with pytest.raises(ManifestError, match="manifest.json is corrupt"):
+        load(bad)
+    m = json.loads((folder / "manifest.json").read_text())
+    m["rule"]["name"] = "sampled"
+    (bad / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match="'rule' must name one of"):
+        load(bad)
+
+
+def test_bad_inputs_are_refused_naming_the_input(exported):
+    folder, y = exported
+    rt = load(folder)
+    x = y[:3].numpy()
+    with pytest.raises(ValueError, match=r"input 'inputs': expected shape \(B, 13\)"):
+        rt.run(x[:, :5])
+    with pytest.raises(ValueError, match="input 'inputs': expected dtype float32; got float64"):
+        rt.run(x.astype(np.float64))
+    nan = x.copy()
+    nan[1, 2] = np.nan
+    with pytest.raises(ValueError, match=r"input 'inputs': NaN or inf values in 1 sample"):
+        rt.run(nan)
+    with pytest.raises(ValueError, match="inputs: expected"):
+        rt.run({"y": x})
+    with pytest.raises(TypeError, match="must be a numpy array"):
+        rt.run(x.tolist())
+
+
+def test_export_refuses_what_it_cannot_write(sparse_sm, exported, tmp_path):
+    sm, y = sparse_sm
+    folder, _ = exported
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="exists and is not an earlier export"):
+        export_stop_model(sm, InferenceConfig(), y[:2], other)
+    assert (other / "keep.txt").read_text() == "mine" and len(list(other.iterdir())) == 1
+    with pytest.raises(ExportError, match="needs a stopping policy"):
+        export_stop_model(StoppingModel(sm.model), InferenceConfig(), y[:2], tmp_path / "nopolicy")
+    with pytest.raises(ExportError, match="inference.sampled"):
+        export_stop_model(sm, InferenceConfig(sampled=True), y[:2], tmp_path / "sampled")
+    assert not (tmp_path / "nopolicy").exists() and not (tmp_path / "sampled").exists()
+    assert not [p for p in tmp_path.iterdir() if "export-tmp" in p.name]
+    # an earlier export is replaced, complete, by the new one
+    export_stop_model(sm, {"name": "fixed", "param": 2}, y[:2], folder)
+    assert load(folder).manifest["rule"]["name"] == "fixed" and not (folder / "step_05.onnx").exists()
+    export_stop_model(sm, InferenceConfig(rule="quantile", param=0.5), y[:2], folder, task="sparse")
+
+
+TINY = ["--problem.m", "13", "--problem.n", "27", "--problem.test_per_snr", "20", "--problem.val_per_snr", "20",
+        "--lista.num_steps", "5", "--policy.sketch_dim", "4", "--run_stage3", "false", "--run_aevb", "false",
+        "--no-progress", "--threads", "1",
+        *[a for s in ("baseline", "stage1", "stage2") for a in (f"--{s}.iterations", "4", f"--{s}.batch_size", "16",
+                                                               f"--{s}.eval_every", "4", f"--{s}.checkpoint_every", "4")]]
+
+
+def test_cli_exports_a_trained_run_and_refuses_an_unfinished_one(tmp_path, capsys):
+    run, out = tmp_path / "run", tmp_path / "exported"
+    run.mkdir()
+    assert main(["sparse", "export", "--run-dir", str(run), "--out", str(out), *TINY]) == 2
+    assert "no finished stage 'stage2'" in capsys.readouterr().err and not out.exists()
+    assert main(["sparse", "train", "--run-dir", str(run), *TINY]) == 0
+    assert main(["sparse", "export", "--run-dir", str(run), *TINY]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert main(["sparse", "export", "--run-dir", str(run), "--out", str(out), *TINY]) == 0
+    m = load(out).manifest
+    assert m["task"] == "sparse" and m["rule"]["name"] == "quantile" and m["rule"]["source"] == "inference config"
+    # the runtime on the task's test inputs: the run's own stop model and rule, loaded the CLI's way
+    from learn2stop.cli import build_parser
+    from learn2stop.core.pipeline import load_stage
+    from learn2stop.tasks.sparse.app import APP, PRESETS, SparseConfig
+    from learn2stop.utils.config import overrides_from_args, resolve
+
+    cfg = resolve(SparseConfig, PRESETS["quick"], None, overrides_from_args(build_parser("sparse").parse_args(["export", *TINY])))
+    sm = load_stage(APP, cfg, run, "stage2", "cpu")
+    y = APP.eval_batches(cfg, "test", "cpu")[0][0]
+    with torch.no_grad():
+        ref = sm(y, inference=cfg.inference)
+    got = load(out).run(y.numpy())
+    np.testing.assert_array_equal(got.stop_times, ref.stop_times.numpy())
+    np.testing.assert_allclose(got.outputs, ref.outputs.numpy(), atol=1e-5, rtol=1e-5)
+    from learn2stop.export import export_command
+    from learn2stop.tasks.maml.app import APP as MAML
+    from learn2stop.utils.config import ConfigError
+
+    with pytest.raises(ConfigError, match="no gradient operator"):
+        export_command(MAML, None, None, out=str(tmp_path / "maml"))
