@@ -17,7 +17,7 @@ TINY = ["--maml.iterations", "4", "--stage1.iterations", "4", "--stage2.iteratio
 
 def test_registered_with_presets():
     spec = get_task("maml")
-    assert set(spec.commands) == {"train", "evaluate", "reproduce", "calibrate", "frontier"}
+    assert set(spec.commands) == {"train", "evaluate", "reproduce", "calibrate", "frontier", "export"}
     for name, preset in PRESETS.items():
         resolve(MAMLConfig, preset)  # every preset is a valid config
 
