@@ -250,3 +250,19 @@ def test_cli_exports_a_trained_run_and_refuses_an_unfinished_one(tmp_path, capsy
 
     with pytest.raises(ConfigError, match="no gradient operator"):
         export_command(MAML, None, None, out=str(tmp_path / "maml"))
+
+
+def test_runtime_speed_benchmark_runs_on_a_tiny_config(tmp_path, capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "runtime_speed.py"
+    spec = importlib.util.spec_from_file_location("runtime_speed", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    res = bench.main(["--tiny", "--tasks", "sparse", "--json", str(tmp_path / "speed.json")])
+    rows = res["sparse"]["rows"]
+    assert res["sparse"]["stop_times_agree"] is True
+    assert {r["variant"] for r in rows} == {"plain for-t loop", "unroll", "run_with_early_exit", "ONNX Runtime runner"}
+    assert {r["batch"] for r in rows} == {1, 4, 8} and all(r["ms_per_sample"] > 0 for r in rows)
+    assert json.loads((tmp_path / "speed.json").read_text())["sparse"]["rule"]["name"] == "quantile"
+    assert "ONNX Runtime runner" in capsys.readouterr().out

@@ -1,0 +1,202 @@
+"""Inference speed of one stop model four ways, side by side in one process: the plain ``for t`` loop over
+the steps (full depth), ``unroll`` (full depth), ``run_with_early_exit`` with the deployed rule, and the
+exported model in ONNX Runtime (:mod:`learn2stop.runtime`) with the same rule, at batch 1, 64 and a large
+batch (1000 sparse, 256 classify).
+
+    python benchmarks/runtime_speed.py --threads 1                       # random weights, quick sizes
+    python benchmarks/runtime_speed.py --sparse-run runs/final-sparse --classify-run runs/classify-quick
+    python benchmarks/runtime_speed.py --tiny                            # a smoke run (the tests use it)
+
+Sizes: sparse is the quick preset's LISTA-stop (125x250, T = 16, sketch policy); classify the quick
+preset's network (vgg6-narrow, 32x32, 10 classes, 5 exits and the exit policy). Without a run directory
+the weights are random (LISTA from ISTA) and the policy's output bias is set to ``--random-bias`` so that
+the default rule (quantile, alpha 0.5) stops part-way; with one, the run's stop stage and its deployed rule
+(``calibration.json`` or its inference config) are used, on its test inputs. Each time is the best of
+``--rounds`` round-robin passes (a load drift hits every variant alike); batch 1 is timed over
+``--samples`` inputs one by one. Needs the deploy extra (onnx, onnxruntime).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from learn2stop.core.calibration import InferenceConfig, load_calibration
+from learn2stop.core.loop import StoppingModel, run_with_early_exit, unroll
+from learn2stop.export import export_stop_model
+from learn2stop.runtime import load
+from learn2stop.utils.report import markdown_table
+
+
+# ----------------------------------------------------------------------------- the models
+def _last_linear(module: nn.Module) -> nn.Linear:
+    return [m for m in module.modules() if isinstance(m, nn.Linear)][-1]
+
+
+def _from_run(task: str, run_dir: str):
+    """(stop model, rule, test inputs) of a trained run: its stop stage, its deployed rule."""
+    from learn2stop.core.pipeline import load_stage
+    from learn2stop.tasks.base import get_task
+    from learn2stop.utils.config import resolve
+
+    spec = get_task(task)
+    cfg = resolve(spec.config_class, {}, str(Path(run_dir) / "config.yaml"))
+    sm = load_stage(spec.app, cfg, run_dir, spec.app.stop_stage, "cpu")
+    inference = spec.app.inference(cfg)
+    cal = load_calibration(run_dir) if inference.use_calibrated else None
+    inputs = torch.cat([b[0] for b in spec.app.eval_batches(cfg, "test", "cpu")])
+    return sm, (cal if cal is not None else inference), inputs
+
+
+def sparse_model(tiny: bool, bias: float, n: int):
+    """LISTA-stop of the quick size (ISTA-initialised LISTA, sketch policy) and n test problems."""
+    from learn2stop.tasks.sparse.models import LISTA
+    from learn2stop.tasks.sparse.policy import SparseStopPolicy
+    from learn2stop.tasks.sparse.problem import ProblemConfig, make_matrix, sample_problems
+
+    p = ProblemConfig(m=13, n=27) if tiny else ProblemConfig(m=125, n=250)
+    A, T = make_matrix(p), 5 if tiny else 16
+    torch.manual_seed(0)
+    policy = SparseStopPolicy(A, T, "sketch", 4 if tiny else 32, (8,) if tiny else (64, 64))
+    nn.init.constant_(_last_linear(policy).bias, bias)
+    y = sample_problems(A, p, n, torch.Generator().manual_seed(1)).y
+    return StoppingModel(LISTA(A, T), policy).eval(), InferenceConfig(), y
+
+
+def classify_model(tiny: bool, bias: float, n: int):
+    """The quick preset's network (vgg6-narrow with 5 exits) and its exit policy; n random images."""
+    from learn2stop.tasks.classify.models import build_network
+    from learn2stop.tasks.classify.policy import ExitPolicy
+
+    size, classes = (16, 3) if tiny else (32, 10)
+    torch.manual_seed(0)
+    net = build_network("vgg6-narrow", classes, size, **({"fc_width": 16} if tiny else {}))
+    policy = ExitPolicy(classes, net.num_steps, hidden=8 if tiny else 32)
+    nn.init.constant_(_last_linear(policy).bias, bias)
+    x = torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(1))
+    return StoppingModel(net, policy).eval(), InferenceConfig(), x
+
+
+# ----------------------------------------------------------------------------- the four ways
+def plain_loop(model, inputs):
+    state = model.initial_state(inputs)
+    for t in range(1, model.num_steps + 1):
+        state = model.step(t, state, inputs)
+    return model.readout(model.num_steps, state, inputs)
+
+
+def torch_rule(sm: StoppingModel, rule):
+    """A fresh online rule (rules keep per-rollout memory) of an InferenceConfig or a Calibration."""
+    return rule.make_rule(sm.policy)
+
+
+def variants(sm: StoppingModel, rule, runtime) -> dict:
+    """name -> (inputs tensor -> mean depth of that call)."""
+    m, T = sm.model, sm.num_steps
+
+    def plain(x):
+        plain_loop(m, x)
+        return T
+
+    def full(x):
+        unroll(m, x)
+        return T
+
+    def early(x):
+        return float(run_with_early_exit(m, x, torch_rule(sm, rule)).stop_times.float().mean())
+
+    def ort(x):
+        return runtime.run(x.numpy()).mean_depth
+
+    return {"plain for-t loop": plain, "unroll": full, "run_with_early_exit": early, "ONNX Runtime runner": ort}
+
+
+@torch.no_grad()
+def measure(sm: StoppingModel, rule, inputs: torch.Tensor, batches: list[int], samples: int, rounds: int,
+            runtime) -> list[dict]:
+    """Best-of-``rounds`` seconds per sample of every variant at every batch size, round-robin."""
+    ways = variants(sm, rule, runtime)
+    work = {}
+    for b in batches:
+        if b == 1:
+            work[b] = [inputs[i:i + 1] for i in range(min(samples, inputs.shape[0]))]
+        else:
+            reps = max(1, min(3, inputs.shape[0] // b))
+            work[b] = [inputs[i * b:(i + 1) * b] for i in range(reps)] if inputs.shape[0] >= b else [inputs[:b]]
+    best = {(b, name): float("inf") for b in batches for name in ways}
+    depth = {}
+    for _ in range(rounds):
+        for b in batches:
+            for name, fn in ways.items():
+                t0 = time.perf_counter()
+                depths = [fn(x) for x in work[b]]
+                rows = sum(x.shape[0] for x in work[b])
+                best[b, name] = min(best[b, name], (time.perf_counter() - t0) / rows)
+                depth[b, name] = sum(d * x.shape[0] for d, x in zip(depths, work[b])) / rows
+    out = []
+    for b in batches:
+        base = best[b, "plain for-t loop"]
+        for name in ways:
+            out.append({"batch": b, "variant": name, "ms_per_sample": 1e3 * best[b, name],
+                        "speed_vs_plain": base / best[b, name], "mean_depth": depth[b, name]})
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1, help="torch and ONNX Runtime intra-op threads")
+    ap.add_argument("--tasks", default="sparse,classify")
+    ap.add_argument("--sparse-run", default=None, help="a trained sparse run directory (else random weights)")
+    ap.add_argument("--classify-run", default=None, help="a trained classify run directory (else random weights)")
+    ap.add_argument("--random-bias", type=float, default=-2.5,
+                    help="random weights: the policy's output bias (pi about sigmoid(bias) per step)")
+    ap.add_argument("--samples", type=int, default=200, help="inputs timed one by one at batch 1")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes and batches: a smoke run")
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = ap.parse_args(argv)
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1; got {args.threads}")
+    torch.set_num_threads(args.threads)
+    large = {"sparse": 1000, "classify": 256}
+    results = {}
+    for task in [t for t in args.tasks.split(",") if t]:
+        if task not in large:
+            ap.error(f"--tasks: unknown task {task!r}; choose from {', '.join(large)}")
+        batches = [1, 4, 8] if args.tiny else [1, 64, large[task]]
+        n = max(batches) * (1 if args.tiny else 3)
+        run = getattr(args, f"{task}_run")
+        if run:
+            sm, rule, inputs = _from_run(task, run)
+            source = f"trained run {run}"
+        else:
+            sm, rule, inputs = (sparse_model if task == "sparse" else classify_model)(args.tiny, args.random_bias, n)
+            source = "random weights"
+        with tempfile.TemporaryDirectory() as tmp:
+            export_stop_model(sm, rule, inputs[:2], Path(tmp) / "exported", task=task)
+            runtime = load(Path(tmp) / "exported", threads=args.threads)
+            rows = measure(sm, rule, inputs, batches, 4 if args.tiny else args.samples, 1 if args.tiny else args.rounds,
+                           runtime)
+            check = runtime.run(inputs[:min(64, inputs.shape[0])].numpy())
+            with torch.no_grad():
+                ref = run_with_early_exit(sm.model, inputs[:min(64, inputs.shape[0])], torch_rule(sm, rule))
+            agree = bool(np.array_equal(check.stop_times, ref.stop_times.numpy()))
+        results[task] = {"source": source, "rule": runtime.rule_spec, "rows": rows, "stop_times_agree": agree}
+        print(f"\n## {task} ({source}; rule {runtime.rule_spec['name']} {runtime.rule_spec['param']}; "
+              f"{args.threads} thread(s); runtime and torch stop times agree: {agree})\n")
+        print(markdown_table(["batch", "variant", "ms / sample", "speed vs plain loop", "mean depth"],
+                             [[r["batch"], r["variant"], r["ms_per_sample"], r["speed_vs_plain"], r["mean_depth"]]
+                              for r in rows], digits=3))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()
