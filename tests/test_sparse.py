@@ -115,8 +115,10 @@ def test_bad_measurements_get_clear_errors():
     lista = LISTA(make_matrix(SMALL), 4)
     with pytest.raises(ValueError, match="13 rows"):
         unroll(lista, torch.randn(3, 12))
+    with pytest.raises(ValueError, match="NaN or inf"):  # checked once, at the API boundary (not in the hot loop)
+        StoppingModel(lista).unroll(torch.full((3, 13), float("nan")))
     with pytest.raises(ValueError, match="NaN or inf"):
-        unroll(lista, torch.full((3, 13), float("nan")))
+        StoppingModel(lista)(torch.full((3, 13), float("nan")))
     with pytest.raises(ValueError, match="shape \\(B, m\\)"):
         unroll(lista, torch.randn(13))
     with pytest.raises(ValueError, match="does not match"):

@@ -25,7 +25,7 @@ import torch
 from ..utils.config import ConfigError
 from ..utils.report import write_json, write_text_atomic
 from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rule, calibrate_budget, calibrate_risk,
-                          check_budget, check_risk, save_calibration)
+                          check_budget, check_risk, load_calibration, save_calibration)
 from .evaluation import (Metric, Trace, budget_curve, collect_trace, fixed_depth_curve, frontier_markdown, frontier_plot,
                          SPEED_KEYS, frontier_summary, frontier_time_plot, measure_speed, oracle_curve, speed_at_quality,
                          sweep_curve, _point)
@@ -103,6 +103,14 @@ class StoppingApp:
         """
         sign = 1.0 if self.metric(cfg).lower_is_better else -1.0
         return sign * (trace.metric - trace.metric[:, -1:]), None
+
+    def quality_lead(self, cfg: Any, stop: Trace, base: Trace) -> float:
+        """How much better the stop model is at full depth than the baseline, in :meth:`risk_losses` units:
+        the epsilon of the deployed operating point (at least the baseline's quality). Default: the mean
+        excess loss of the baseline's last step over the stop model's, as ``risk_losses`` measures it."""
+        pair = Trace(metric=torch.stack([base.metric[:, -1], stop.metric[:, -1]], dim=1), costs=stop.costs[-2:],
+                     extras=stop.extras)
+        return float(self.risk_losses(cfg, pair)[0][:, 0].double().mean())
 
     def speed_inputs(self, cfg: Any, device) -> Any:
         """The test inputs the frontier times, as one batch-first tree. Default: every test batch whose
@@ -252,6 +260,43 @@ def calibrate_command(app: StoppingApp, cfg: Any, run, *, budget: float | None =
         save_calibration(cal, run.run_dir)
     run.log(f"calibrated {rule} rule: {signal.param_name} = {cal.param:.4g} for {cal.target}\n"
             f"  validation: {cal.calibration}\n  test: {cal.test}\n  saved to {Path(run.run_dir) / 'calibration.json'}")
+    return cal
+
+
+def deploy_calibration(app: StoppingApp, cfg: Any, run, *, delta: float = 0.1) -> Calibration | None:
+    """The operating point a user deploys: keep the baseline's quality, with a guarantee, at the least cost.
+
+    The policy rule (``inference.rule``, or ``quantile``) is calibrated by Learn-then-Test on the validation
+    split with epsilon = the stop model's lead over the baseline at full depth (:meth:`StoppingApp.quality_lead`),
+    so that with probability at least 1 - delta its quality on new data is at least the baseline's full depth.
+    Saved as the run's ``calibration.json`` (used by ``evaluate``), unless the run already has one (a user's
+    own calibration wins). None, with the reason logged, when there is no lead to spend.
+    """
+    if load_calibration(run.run_dir) is not None or not app.baseline_stage:
+        return None
+    sm = load_stage(app, cfg, run.run_dir, app.stop_stage, run.device)
+    if sm.policy is None:
+        return None
+    rule = app.inference(cfg).rule if app.inference(cfg).rule in POLICY_RULES else "quantile"
+    val = stop_model_trace(app, cfg, sm, "val", run.device, with_classical=False)
+    base = load_stage(app, cfg, run.run_dir, app.baseline_stage, run.device)
+    base_val = collect_trace(base.model, app.eval_batches(cfg, "val", run.device), app.metric(cfg), run.device,
+                             extras=app.trace_extras(cfg))
+    lead = app.quality_lead(cfg, val, base_val)
+    if not lead > 0:
+        run.log(f"deployed rule: the stop model is not better than {app.baseline_stage} at full depth on validation "
+                f"(lead {lead:.4g}); nothing to spend, so the configured {app.inference(cfg).rule} rule stays")
+        return None
+    losses, rng = app.risk_losses(cfg, val)
+    signal = SIGNALS[rule](sm.policy)
+    costs = val.costs if app.budget_by == "cost" else torch.arange(1, val.num_steps + 1) / val.num_steps
+    cal = calibrate_risk(val.signals[rule], losses, lead, delta, rule, costs=costs, loss_range=rng, to_param=signal.to_param)
+    cal.target["reference"] = f"{app.baseline_stage} at full depth"
+    if run.ctx.is_main:
+        save_calibration(cal, run.run_dir)
+    run.log(f"deployed rule: {rule} calibrated to keep {app.baseline_stage}'s full-depth quality (epsilon = the stop "
+            f"model's lead {lead:.4g}, delta {delta:g}): {signal.param_name} = {cal.param:.4g}, "
+            f"{100 * cal.calibration['mean_cost']:.1f} % of the cost on validation")
     return cal
 
 

@@ -19,13 +19,14 @@ import torch
 from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, stop_time_distribution
 from ...core.evaluation import collect_trace, evaluate_rule
 from ...core.loop import unroll
-from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage, oracle_min_step, stop_model_trace
+from ...core.pipeline import (Stage, StoppingApp, deploy_calibration, deployed_rule, load_stage, oracle_min_step,
+                              stop_model_trace)
 from ...core.rules import ToleranceSignal
 from ...utils.config import from_dict, merge, non_empty, one_of, positive, positive_int, require, to_dict
 from ...utils.report import markdown_table, write_json
 from ..base import RunContext, TaskSpec, as_run, register_task, train_pipeline
 from .models import FISTA, ISTA, LISTA
-from .policy import SparseStopPolicy
+from .policy import SparseDepthPlanner, SparseStopPolicy
 from .problem import ProblemConfig, SparseBatch
 from .task import SparseRecoveryTask
 
@@ -62,17 +63,21 @@ class LISTAConfig:
 class PolicyConfig:
     """The stopping policy's architecture (how it is used at test time is ``inference``).
 
+    features: ``plan`` (one call per sample plans the depth from the state at ``min_step``:
+        :class:`SparseDepthPlanner`), or a policy asked at every step with ``sketch`` statistics or
+        the release's ``full`` input.
+
     min_mass: steps before the first one whose mean validation oracle mass q*(t) exceeds this
         become ``min_step`` (the policy is not evaluated there); 0 disables it.
     """
 
-    features: str = "sketch"
+    features: str = "plan"
     sketch_dim: int = 32
     hidden: tuple[int, ...] = (64, 64)
     min_mass: float = 0.001
 
     def __post_init__(self):
-        one_of(self.features, ("sketch", "full"), "features")
+        one_of(self.features, ("plan", "sketch", "full"), "features")
         positive_int(self.sketch_dim, "sketch_dim")
         for h in self.hidden:
             positive_int(h, "hidden")
@@ -263,7 +268,8 @@ class SparseApp(StoppingApp):
         for key in ("baseline", "stop", "stage3", "aevb") + (("baseline_equal",) if cfg.equal_budget else ()):
             lista = LISTA(task.A, L.num_steps, L.L, L.rho, L.shrinkage)
             p = cfg.policy
-            policy = None if key.startswith("baseline") else SparseStopPolicy(task.A, L.num_steps, p.features, p.sketch_dim, p.hidden, seed=cfg.seed)
+            policy = (None if key.startswith("baseline") else SparseDepthPlanner(task.A, L.num_steps, p.hidden)
+                      if p.features == "plan" else SparseStopPolicy(task.A, L.num_steps, p.features, p.sketch_dim, p.hidden, seed=cfg.seed))
             out[key] = StoppingModel(lista, policy).to(device)
         return out
 
@@ -410,6 +416,14 @@ def evaluate(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
             results["rule"] = desc
             results["rows"][f"LISTA-stop (T<={T})"] = results["rows"][label]
             results["depth"][f"LISTA-stop (T<={T})"] = results["depth"][label]
+            inf = cfg.inference
+            if desc.startswith("calibrated") and not inf.sampled:  # the configured rule as a second operating point
+                other = f"LISTA-stop, {inf.rule} {inf.param:g}"
+                r2 = evaluate_rule(sm.model, batches, lambda: inf.make_rule(sm.policy), metric, dev,
+                                   extras=APP.trace_extras(cfg))
+                results["rows"][other] = _nmse_from_errors(r2["values"], test)
+                results["depth"][other] = {"mean": r2["mean_steps"], **{f"{s:g}": float(r2["stop_times"][test.snr == s]
+                                                                       .float().mean()) for s in cfg.problem.snrs}}
             trace = stop_model_trace(APP, cfg, sm, "test", dev, with_classical=False)
             errs_main, q_main = trace.metric, stop_time_distribution(trace.signals["threshold"])  # pi_t -> q_phi
             results["oracle_nmse"] = _nmse_from_errors(errs_main.min(dim=1).values, test)  # needs x*: a bound
@@ -424,7 +438,7 @@ def evaluate(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
         write_json({k: v for k, v in results.items() if not k.startswith("table")}, run.run_dir / "results.json")
         _figure4(q_main, errs_main, test, curves, run.run_dir)
         _training_figure(results["training_curve"], run.run_dir)
-        run.log(f"\nLISTA-stop stops with the {results.get('rule')}")
+        run.log(f"\nLISTA-stop (T<={T}) stops with the {results.get('rule')}")
         run.log("\nTable 1: NMSE (dB) on the test set; paper's value in parentheses\n" + table1)
         run.log("\nTable 2: training algorithms for LISTA-stop\n" + table2)
         for name, pts in results["training_curve"].items():
@@ -441,6 +455,7 @@ def reproduce(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
     run = as_run(run)
     t0 = time.perf_counter()
     train(cfg, run)
+    deploy_calibration(APP, cfg, run)
     results = evaluate(cfg, run)
     run.log(f"total wall-clock: {time.perf_counter() - t0:.0f}s")
     return results
@@ -486,6 +501,7 @@ def _tables(results: dict, cfg: SparseConfig) -> tuple[str, str]:
     if f"LISTA (T={T}), equal budget" in results["rows"]:
         rows1.append(row(f"LISTA (T={T}), equal budget", None))
     rows1.append(row(f"LISTA-stop (T<={T})", "LISTA-stop (T<=20)"))
+    rows1 += [row(k, None) for k in results["rows"] if k.startswith("LISTA-stop, ")]
     rows2 = [row(k, k) for k in ("AEVB", "Stage I+II", "Stage I+II+III") if k in results["rows"]]
     return markdown_table(headers, rows1), markdown_table(headers, rows2)
 
