@@ -27,6 +27,7 @@ def test_registered_with_presets():
     ({"data": {"k_min": 0}}, "data.k_min"),
     ({"data": {"source": "cifar"}}, "data.source"),
     ({"model": {"inner_lr": -1.0}}, "model.inner_lr"),
+    ({"model": {"inner_grad_clip": -1.0}}, "model.inner_grad_clip"),
     ({"model": {"network": "mlp"}}, "model.network"),
     ({"stage1": {"objective": "stage2", "variant": "map"}}, "stage1.objective"),
     ({"eval": {"tasks": 0}}, "eval.tasks"),

@@ -198,7 +198,7 @@ def check_finite_steps(name: str, values: Tensor) -> None:
     if bool(bad.any()):
         steps = (bad.any(dim=0).nonzero().flatten() + 1).tolist()
         kind = "NaN" if bool(torch.isnan(values.detach()).any()) else "inf"
-        raise NonFiniteError(f"{name} at steps {step_ranges(steps)} non-finite ({kind}) in "
+        raise NonFiniteError(f"{name} at step{'s' if len(steps) > 1 else ''} {step_ranges(steps)} non-finite ({kind}) in "
                              f"{int(bad.any(dim=1).sum())} of {values.shape[0]} samples")
 
 
