@@ -44,7 +44,7 @@ FORMAT = "learn2stop-onnx"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 #: the rules the runtime implements in numpy (``fixed``: a fixed depth, param = the depth).
-RUNTIME_RULES = ("fixed", "threshold", "quantile", "confidence", "entropy")
+RUNTIME_RULES = ("fixed", "threshold", "quantile", "confidence", "entropy", "tolerance")
 
 
 class ExportError(ValueError):

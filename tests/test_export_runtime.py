@@ -67,7 +67,7 @@ def _same_as_torch(sm, inputs, rule, folder, *, batch1=4):
     export_stop_model(sm, rule, inputs[:2], folder, task="test")
     rt = load(folder)
     with torch.no_grad():
-        ref = sm(inputs, inference=rule) if isinstance(rule, InferenceConfig) else None
+        ref = sm(inputs, rule=rule.make_rule(sm.policy))
     got = rt.run(inputs.numpy())
     np.testing.assert_array_equal(got.stop_times, ref.stop_times.numpy())
     np.testing.assert_allclose(got.outputs, ref.outputs.numpy(), atol=1e-5, rtol=1e-5)
@@ -96,6 +96,12 @@ def test_classify_runtime_stops_where_the_torch_loop_stops(classify_sm, tmp_path
     assert len(m["exit_costs"]) == sm.num_steps and m["exit_costs"] == sorted(m["exit_costs"])
     # the convolutional steps never read the images again: they are not compacted with the batch
     assert all(s["inputs"] == ["state.0"] for s in m["steps"][1:])
+
+
+def test_tolerance_rule_without_a_policy(sparse_sm, tmp_path):
+    sm, y = sparse_sm
+    times = _same_as_torch(StoppingModel(sm.model).eval(), y, InferenceConfig(rule="tolerance", param=0.1), tmp_path / "e")
+    assert times.unique().numel() >= 2 and int(times.max()) < 7
 
 
 def test_planning_policy_fixes_the_depth_once(sparse_sm, tmp_path):

@@ -6,6 +6,7 @@ the manifest's threshold (score units, as :class:`~learn2stop.core.rules.SignalR
 - ``threshold``: pi_t = sigmoid(logit_t);
 - ``quantile``: -log prod_{s<=t} (1 - pi_s), i.e. 1 - prod (1 - pi_s) >= alpha (memory: one float per row);
 - ``confidence``: the max softmax probability of the output; ``entropy``: minus the softmax entropy;
+- ``tolerance``: minus the relative change of the output since the previous step (memory: that output);
 - ``fixed``: nobody is asked; the export ends at the depth.
 
 A planning policy (``plan_step``) gives all its logits at once: the same scores over the plan fix each
@@ -103,13 +104,35 @@ class EntropyRule(Rule):
         return (p * logp).sum(axis=-1) >= self.threshold
 
 
+class ToleranceRule(Rule):
+    """The classical convergence test: minus the relative change of the output since the previous step."""
+
+    uses_output = True
+
+    def start(self, batch):
+        self.previous = None  # (B_active, D) the previous step's output of each running row
+
+    def compact(self, keep):
+        if self.previous is not None:
+            self.previous = self.previous[keep]
+
+    def decide(self, t, output, logit):
+        out = output[0] if isinstance(output, list) else output
+        flat = out.reshape(out.shape[0], -1).astype(np.float32, copy=False)
+        before, self.previous = self.previous, flat
+        if before is None:
+            return np.zeros(flat.shape[0], bool)
+        change = np.linalg.norm(flat - before, axis=1) / np.maximum(np.linalg.norm(flat, axis=1), np.float32(1e-12))
+        return -change >= self.threshold
+
+
 class FixedRule(Rule):
     def decide(self, t, output, logit):
         raise AssertionError("a fixed depth is never asked: its export ends at the depth")
 
 
 RULES = {"threshold": ThresholdRule, "quantile": QuantileRule, "confidence": ConfidenceRule,
-         "entropy": EntropyRule, "fixed": FixedRule}
+         "entropy": EntropyRule, "tolerance": ToleranceRule, "fixed": FixedRule}
 
 
 def make_rule(spec: dict) -> Rule:
