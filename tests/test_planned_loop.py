@@ -129,3 +129,27 @@ def test_speed_at_quality_interpolates_the_crossing():
     assert out["fast"]["speedup_batch1"] == pytest.approx(out["fast"]["samples_per_s_batch1"] / 100)
     assert out["fast"]["speedup_batchN"] == pytest.approx(1 / (0.5 / 4000 + 0.5 / 1000) / 1000)
     assert out["never"] == {"reaches": False, "best_metric": 1.5}
+
+
+def test_price_rule_is_argmax_of_repriced_plan_online_and_offline():
+    from learn2stop.core.rules import PriceSignal
+
+    torch.manual_seed(3)
+    T, s = 7, 2
+    model, planner = ToyStepModel(num_steps=T), Planner(T, plan_step=s)
+    with torch.no_grad():
+        planner.net.weight.mul_(8)  # a spread of plans
+        y = torch.randn(60, 3)
+        full = unroll(model, y, policy=planner, keep_outputs=True)
+    log_q = log_stop_time_distribution(full.stop_logits)
+    c = torch.arange(1, T + 1) / T
+    trace = signal_trace(PriceSignal(planner), full.step_outputs, y)
+    depths = set()
+    for price in (0.0, 0.5, 2.0, 8.0, 30.0):
+        expected = (log_q - price * c).argmax(dim=1) + 1  # the re-priced plan's most likely step
+        assert (first_crossing(trace, PriceSignal.from_param(price)) == expected).all()
+        with torch.no_grad():
+            online = run_with_early_exit(model, y, SignalRule.from_param(PriceSignal(planner), price))
+        assert (online.stop_times == expected).all()
+        depths.add(float(expected.float().mean()))
+    assert len(depths) > 2  # the price moves the depth: one policy, many budgets

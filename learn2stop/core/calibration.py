@@ -27,13 +27,19 @@ from torch import Tensor
 
 from ..utils.config import ConfigError, one_of, require
 from .loop import PolicyRule, Rollout
-from .rules import SIGNALS, SignalRule, first_crossing, sampled_stop_times
+from .rules import PLANNING_RULES, SIGNALS, SignalRule, first_crossing, sampled_stop_times
 
-POLICY_RULES = ("threshold", "quantile")
+POLICY_RULES = ("threshold", "quantile", "price")  # "price" needs a planning policy
 CALIBRATION_FILE = "calibration.json"
 
 
 @dataclass
+def policy_rules(policy) -> tuple[str, ...]:
+    """The policy rules a policy supports: all of them for a planning policy, else all but the price rule."""
+    plans = getattr(policy, "plan_step", None) is not None
+    return tuple(r for r in POLICY_RULES if plans or r not in PLANNING_RULES)
+
+
 class InferenceConfig:
     """How a trained stopping model stops at test time.
 
@@ -90,12 +96,11 @@ class InferenceConfig:
 
 def policy_scores(stop_logits: Tensor, rule: str) -> Tensor:
     """The (B, T-1) scores of a policy rule from stop logits, as its signal computes them online:
-    pi_t, or for the quantile rule -log prod_{s<=t} (1 - pi_s) (see :class:`QuantileSignal`)."""
-    if rule == "threshold":
-        return torch.sigmoid(stop_logits.float())
-    if rule == "quantile":
-        return -torch.nn.functional.logsigmoid(-stop_logits.float()).cumsum(dim=1)
-    raise ValueError(f"not a policy rule: {rule!r}")
+    pi_t, for the quantile rule -log prod_{s<=t} (1 - pi_s) (see :class:`QuantileSignal`), for the price
+    rule minus the least price that stops by t (:class:`PriceSignal`)."""
+    if rule not in POLICY_RULES:
+        raise ValueError(f"not a policy rule: {rule!r}")
+    return SIGNALS[rule].scores(stop_logits)
 
 
 # ----------------------------------------------------------------------------- cost of thresholds

@@ -24,7 +24,7 @@ import torch
 
 from ..utils.config import ConfigError
 from ..utils.report import write_json, write_text_atomic
-from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rule, calibrate_budget, calibrate_risk,
+from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rule, policy_rules, calibrate_budget, calibrate_risk,
                           check_budget, check_risk, load_calibration, save_calibration)
 from .evaluation import (Metric, Trace, budget_curve, collect_trace, fixed_depth_curve, frontier_markdown, frontier_plot,
                          SPEED_KEYS, frontier_summary, frontier_time_plot, measure_speed, oracle_curve, speed_at_quality,
@@ -216,7 +216,7 @@ def stop_model_trace(app: StoppingApp, cfg, sm: StoppingModel, split: str, devic
     """The stop model's trace on a split: per-step metrics, both policy rules' scores and classical signals."""
     signals: dict[str, Callable] = {}
     if sm.policy is not None:
-        signals.update({r: (lambda r=r: SIGNALS[r](sm.policy)) for r in POLICY_RULES})
+        signals.update({r: (lambda r=r: SIGNALS[r](sm.policy)) for r in policy_rules(sm.policy)})
     if with_classical:
         signals.update(app.classical_signals(cfg))
     return collect_trace(sm.model, app.eval_batches(cfg, split, device), app.metric(cfg), device, signals=signals,
@@ -337,7 +337,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5,
                                             signals=app.classical_signals(cfg), extras=app.trace_extras(cfg)), other.model)
     if sm.policy is not None:
         main = app.inference(cfg).rule if app.inference(cfg).rule in POLICY_RULES else "quantile"
-        for rule in (main, *(r for r in POLICY_RULES if r != main)):
+        for rule in (main, *(r for r in policy_rules(sm.policy) if r != main)):
             name = "policy" if rule == main else f"policy_{rule}"
             curves[name] = budget_curve(test, metric, val, rule, SIGNALS[rule](sm.policy), budgets, app.budget_by)
             how[name] = (lambda p, r=rule: (lambda: SignalRule(SIGNALS[r](sm.policy), p["threshold"])), sm.model)

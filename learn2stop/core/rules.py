@@ -125,6 +125,43 @@ class QuantileSignal(_PolicyBased, _Stateful):
         return -log_survival[view.index]
 
 
+class PriceSignal(_PolicyBased):
+    """One planned q_phi for every budget: stop at argmax_t log q_phi(t) - price * c_t (a planning policy only).
+
+    A planning policy trained at one price predicts q_phi ~ q* ~ exp(-(l_t + price_0 c_t) / beta); adding
+    -(price - price_0) c_t to its log re-prices the plan, so one policy serves every budget and calibration
+    picks the price, not only a threshold. The stop time falls as the price rises; its score at step t is
+    minus the least price at which the plan stops by t, lam*_t = min_{s<=t} max_{s'>t} (log q(s') - log q(s))
+    / (c_s' - c_s), so the usual first crossing (score >= -price) gives the stop time of every price at once.
+    The parameter is the price per full depth (c_t = t / T) in log-probability units.
+    """
+
+    name, param_name = "price", "price"
+
+    @staticmethod
+    def to_param(threshold: float) -> float:
+        return -threshold
+
+    @staticmethod
+    def from_param(param: float) -> float:
+        return -param
+
+    @staticmethod
+    def scores(stop_logits: Tensor) -> Tensor:
+        from .distributions import log_stop_time_distribution
+
+        log_q = log_stop_time_distribution(stop_logits.float())  # (B, T)
+        T = log_q.shape[1]
+        c = torch.arange(1, T + 1, dtype=log_q.dtype, device=log_q.device) / T
+        dc = c[None, :] - c[:, None]  # (T, T) c_s' - c_s
+        ratio = (log_q[:, None, :] - log_q[:, :, None]) / dc.where(dc > 0, torch.ones_like(dc))  # (B, s, s')
+        cols = [ratio[:, :t, t:].amax(dim=2).amin(dim=1) for t in range(1, T)]  # lam*_t, t = 1..T-1
+        return -torch.stack(cols, dim=1) if cols else log_q.new_zeros(log_q.shape[0], 0)
+
+    def __call__(self, view: StepView) -> Tensor:
+        raise ValueError("the price rule reads a planned q_phi: it needs a planning policy (one with plan_step)")
+
+
 class _Keyed(StopSignal):
     """A signal that watches one part of the output: a dict key, or a function of the output."""
 
@@ -207,8 +244,10 @@ class PatienceSignal(_Stateful, _Keyed):
         return run
 
 
-SIGNALS: dict[str, type] = {c.name: c for c in (PolicySignal, QuantileSignal, ToleranceSignal, ConfidenceSignal,
-                                                EntropySignal, PatienceSignal)}
+SIGNALS: dict[str, type] = {c.name: c for c in (PolicySignal, QuantileSignal, PriceSignal, ToleranceSignal,
+                                                ConfidenceSignal, EntropySignal, PatienceSignal)}
+#: policy rules that need a planning policy (the whole q_phi at once).
+PLANNING_RULES = ("price",)
 
 
 class SignalRule:
