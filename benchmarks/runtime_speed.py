@@ -9,8 +9,9 @@ batch (1000 sparse, 256 classify).
 
 Sizes: sparse is the quick preset's LISTA-stop (125x250, T = 16, sketch policy); classify the quick
 preset's network (vgg6-narrow, 32x32, 10 classes, 5 exits and the exit policy). Without a run directory
-the weights are random (LISTA from ISTA) and the policy's output bias is set to ``--random-bias`` so that
-the default rule (quantile, alpha 0.5) stops part-way; with one, the run's stop stage and its deployed rule
+the weights are random (LISTA from ISTA) and the policy's output bias is set (``--random-bias``; by default
+the bias whose constant pi_t makes the default rule, quantile alpha 0.5, stop at about 65 % of T) so that it
+stops part-way; with one, the run's stop stage and its deployed rule
 (``calibration.json`` or its inference config) are used, on its test inputs. Each time is the best of
 ``--rounds`` round-robin passes (a load drift hits every variant alike); batch 1 is timed over
 ``--samples`` inputs one by one. Needs the deploy extra (onnx, onnxruntime).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -54,7 +56,17 @@ def _from_run(task: str, run_dir: str):
     return sm, (cal if cal is not None else inference), inputs
 
 
-def sparse_model(tiny: bool, bias: float, n: int):
+def auto_bias(T: int, depth_fraction: float = 0.65) -> float:
+    """The logit of a constant pi whose quantile-0.5 stop step is about ``depth_fraction`` of T."""
+    pi = 1 - 0.5 ** (1 / max(depth_fraction * (T - 1), 1))
+    return math.log(pi / (1 - pi))
+
+
+def _set_bias(policy: nn.Module, bias: float | None, T: int) -> None:
+    nn.init.constant_(_last_linear(policy).bias, auto_bias(T) if bias is None else bias)
+
+
+def sparse_model(tiny: bool, bias: float | None, n: int):
     """LISTA-stop of the quick size (ISTA-initialised LISTA, sketch policy) and n test problems."""
     from learn2stop.tasks.sparse.models import LISTA
     from learn2stop.tasks.sparse.policy import SparseStopPolicy
@@ -64,12 +76,12 @@ def sparse_model(tiny: bool, bias: float, n: int):
     A, T = make_matrix(p), 5 if tiny else 16
     torch.manual_seed(0)
     policy = SparseStopPolicy(A, T, "sketch", 4 if tiny else 32, (8,) if tiny else (64, 64))
-    nn.init.constant_(_last_linear(policy).bias, bias)
+    _set_bias(policy, bias, T)
     y = sample_problems(A, p, n, torch.Generator().manual_seed(1)).y
     return StoppingModel(LISTA(A, T), policy).eval(), InferenceConfig(), y
 
 
-def classify_model(tiny: bool, bias: float, n: int):
+def classify_model(tiny: bool, bias: float | None, n: int):
     """The quick preset's network (vgg6-narrow with 5 exits) and its exit policy; n random images."""
     from learn2stop.tasks.classify.models import build_network
     from learn2stop.tasks.classify.policy import ExitPolicy
@@ -78,7 +90,7 @@ def classify_model(tiny: bool, bias: float, n: int):
     torch.manual_seed(0)
     net = build_network("vgg6-narrow", classes, size, **({"fc_width": 16} if tiny else {}))
     policy = ExitPolicy(classes, net.num_steps, hidden=8 if tiny else 32)
-    nn.init.constant_(_last_linear(policy).bias, bias)
+    _set_bias(policy, bias, net.num_steps)
     x = torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(1))
     return StoppingModel(net, policy).eval(), InferenceConfig(), x
 
@@ -154,8 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tasks", default="sparse,classify")
     ap.add_argument("--sparse-run", default=None, help="a trained sparse run directory (else random weights)")
     ap.add_argument("--classify-run", default=None, help="a trained classify run directory (else random weights)")
-    ap.add_argument("--random-bias", type=float, default=-2.5,
-                    help="random weights: the policy's output bias (pi about sigmoid(bias) per step)")
+    ap.add_argument("--random-bias", type=float, default=None,
+                    help="random weights: the policy's output bias (default: stop at about 65 %% of T)")
     ap.add_argument("--samples", type=int, default=200, help="inputs timed one by one at batch 1")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="tiny sizes and batches: a smoke run")
