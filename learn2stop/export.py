@@ -164,9 +164,11 @@ def _leaf_names(tree: Any, prefix: str) -> list[str]:
     raise ExportError(f"{prefix}: only tensors and dicts/lists/tuples of tensors can be exported; got {type(tree).__name__}")
 
 
-def _describe(names: list[str], leaves: list[Tensor]) -> list[dict]:
-    return [{"name": n, "shape": [None, *x.shape[1:]], "dtype": str(x.dtype).replace("torch.", "")}
-            for n, x in zip(names, leaves)]
+def _describe(names: list[str], leaves: list[Tensor], dynamic: dict[str, list[int]] | None = None) -> list[dict]:
+    """Name, shape (None for the batch and for dims listed in ``dynamic``) and dtype of each leaf."""
+    dynamic = dynamic or {}
+    return [{"name": n, "shape": [None if d == 0 or d in dynamic.get(n, ()) else int(x.shape[d]) for d in range(x.dim())],
+             "dtype": str(x.dtype).replace("torch.", "")} for n, x in zip(names, leaves)]
 
 
 def _sha256(path: Path) -> str:
@@ -247,8 +249,9 @@ def _register_symbolics(opset: int) -> None:
     _SYMBOLICS.add(opset)
 
 
-def _onnx_export(module: nn.Module, args: tuple, path: Path, in_names: list[str], out_names: list[str], opset: int) -> None:
-    axes = {n: {0: "batch"} for n in in_names + out_names}
+def _onnx_export(module: nn.Module, args: tuple, path: Path, in_names: list[str], out_names: list[str], opset: int,
+                 dynamic: dict[str, list[int]]) -> None:
+    axes = {n: {0: "batch", **{d: f"{n}_{d}" for d in dynamic.get(n, ())}} for n in in_names + out_names}
     _register_symbolics(opset)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notes
@@ -258,7 +261,8 @@ def _onnx_export(module: nn.Module, args: tuple, path: Path, in_names: list[str]
 
 @torch.no_grad()
 def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: str | Path, *, task: str = "custom",
-                      exit_costs: list[float] | None = None, opset: int = 17, extra: dict | None = None) -> Path:
+                      exit_costs: list[float] | None = None, dynamic_dims: dict[str, list[int]] | None = None,
+                      opset: int = 17, extra: dict | None = None) -> Path:
     """Write ``sm`` (a :class:`~learn2stop.core.loop.StoppingModel`) and its rule as ONNX graphs + manifest.
 
     Args:
@@ -269,6 +273,8 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
         out_dir: a new folder, or an earlier export (replaced once the new one is complete).
         task: the task's name, recorded in the manifest.
         exit_costs: cumulative cost of stopping at t = 1..T (default: the model's ``exit_costs``, else t).
+        dynamic_dims: input leaf name -> dims besides the batch that may vary (images of any size:
+            ``{"inputs": [2, 3]}``); every dim of the state and the outputs is then left free too.
     Returns:
         ``out_dir``.
     """
@@ -299,6 +305,14 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
     out_leaves, _ = tree_flatten(output1)
     state_names = [f"state.{i}" for i in range(len(state_leaves))]
     out_names = _leaf_names(output1, "output")
+    dynamic = {k: sorted(int(d) for d in v) for k, v in (dynamic_dims or {}).items()}
+    for name, dims in dynamic.items():
+        leaf = dict(zip(in_names, in_leaves)).get(name)
+        if leaf is None or any(not 1 <= d < leaf.dim() for d in dims):
+            raise ExportError(f"dynamic_dims: {name!r} must name an input ({', '.join(in_names)}) and dims 1..{leaf.dim() - 1 if leaf is not None else '?'}; got {dims}")
+    if dynamic:  # the state and outputs follow the inputs' sizes: leave all their dims free
+        for n, x in [*zip(state_names, state_leaves), *zip(out_names, out_leaves)]:
+            dynamic[n] = dynamic[f"next_{n}"] = list(range(1, x.dim()))
     costs = exit_costs if exit_costs is not None else getattr(model, "exit_costs", None)
     costs = [float(c) for c in (costs if costs is not None else range(1, T + 1))]
     if len(costs) != T:
@@ -331,7 +345,7 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
                     raise ExportError(f"planning policy at step {t}: must return (B, {T - 1}) stop logits; got {tuple(got.shape)}")
             path = tmp / f"step_{t:02d}.onnx"
             try:
-                _onnx_export(g, args, path, g_in, g_out, opset)
+                _onnx_export(g, args, path, g_in, g_out, opset, dynamic)
             except ImportError:
                 raise
             except Exception as e:  # the exporter's errors are long; the first line says what failed
@@ -347,8 +361,8 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
             "policy": None if policy is None else {"kind": "plan" if plan["plan"] else "per_step",
                                                    "plan_step": plan["plan"], "asked_at": plan["policy"],
                                                    "never_stop_logit": NEVER_STOP_LOGIT},
-            "inputs": _describe(in_names, in_leaves), "outputs": _describe(out_names, out_leaves),
-            "state": _describe(state_names, state_leaves), "exit_costs": costs, "steps": steps,
+            "inputs": _describe(in_names, in_leaves, dynamic), "outputs": _describe(out_names, out_leaves, dynamic),
+            "state": _describe(state_names, state_leaves, dynamic), "exit_costs": costs, "steps": steps,
             "opset": opset, "exported_with": {"torch": torch.__version__}, **(extra or {}),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, allow_nan=False) + "\n")
@@ -387,7 +401,7 @@ def export_command(app: Any, cfg: Any, run: Any, *, out: str | None, task: str =
     rule = cal if cal is not None else inference
     inputs = app.eval_batches(cfg, "test", "cpu")[0][0]
     example = torch.utils._pytree.tree_map(lambda x: x[:2] if isinstance(x, Tensor) else x, inputs)
-    path = export_stop_model(sm, rule, example, out, task=task,
+    path = export_stop_model(sm, rule, example, out, task=task, dynamic_dims=getattr(app, "export_dynamic_dims", None),
                              extra={"run_dir": str(Path(run.run_dir).resolve()), "stage": app.stop_stage})
     manifest = json.loads((path / MANIFEST).read_text())
     r = manifest["rule"]

@@ -104,6 +104,32 @@ def test_tolerance_rule_without_a_policy(sparse_sm, tmp_path):
     assert times.unique().numel() >= 2 and int(times.max()) < 7
 
 
+def test_denoise_exports_for_images_of_any_size(tmp_path):
+    from learn2stop.tasks.denoise.models import DeepSupervisedDnCNN
+    from learn2stop.tasks.denoise.policy import DenoisePolicy
+
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    net = DeepSupervisedDnCNN(depth=6, channels=8)
+    policy = DenoisePolicy(net.num_steps, hidden=8)
+    _randomise(policy, 0)
+    sm = StoppingModel(net, policy).eval()
+    rule = InferenceConfig(rule="quantile", param=0.5)
+    export_stop_model(sm, rule, torch.rand(2, 1, 16, 16), tmp_path / "exp", dynamic_dims={"inputs": [2, 3]})
+    rt = load(tmp_path / "exp")
+    x = torch.rand(24, 1, 20, 24, generator=g) * torch.rand(24, 1, 1, 1, generator=g) * 3  # not the traced size
+    with torch.no_grad():
+        ref = sm(x, rule=rule.make_rule(policy))
+    got = rt.run(x.numpy())
+    assert ref.stop_times.unique().numel() >= 2
+    np.testing.assert_array_equal(got.stop_times, ref.stop_times.numpy())
+    np.testing.assert_allclose(got.outputs, ref.outputs.numpy(), atol=1e-5, rtol=1e-5)
+    out, t = rt.run_one(x[0, :, :9, :13].numpy())
+    assert out.shape == (1, 9, 13) and 1 <= t <= net.num_steps
+    with pytest.raises(ValueError, match=r"expected shape \(B, 1, any, any\)"):
+        rt.run(np.zeros((1, 2, 9, 9), np.float32))
+
+
 def test_planning_policy_fixes_the_depth_once(sparse_sm, tmp_path):
     sm, y = sparse_sm
     planner = TinyPlanner(27, 7, plan_step=3)

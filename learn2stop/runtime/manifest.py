@@ -33,8 +33,8 @@ def _check_tensors(path: Path, entries, field: str) -> None:
     for e in entries:
         _require(isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("shape"), list)
                  and isinstance(e.get("dtype"), str), path, f"'{field}' entries need a name, a shape and a dtype; got {e!r}")
-        _require(e["shape"][:1] == [None] and all(isinstance(d, int) and d >= 1 for d in e["shape"][1:]),
-                 path, f"'{field}' entry {e['name']!r}: shape must be [null, d1, ...] with dims >= 1; got {e['shape']}")
+        _require(e["shape"][:1] == [None] and all(d is None or (isinstance(d, int) and d >= 1) for d in e["shape"][1:]),
+                 path, f"'{field}' entry {e['name']!r}: shape must be [null, d1, ...] with dims >= 1 or null; got {e['shape']}")
 
 
 def read_manifest(folder: str | Path, verify: bool = True) -> dict:

@@ -93,8 +93,10 @@ class StopRuntime:
             if not isinstance(x, np.ndarray):
                 raise TypeError(f"input {name!r}: must be a numpy array; got {type(x).__name__}")
             shape = tuple(spec["shape"][1:])
-            if x.ndim != len(shape) + 1 or tuple(x.shape[1:]) != shape:
-                raise ValueError(f"input {name!r}: expected shape (B, {', '.join(map(str, shape))}); got {x.shape}")
+            if x.ndim != len(shape) + 1 or any(d is not None and d != n for d, n in zip(shape, x.shape[1:])) \
+                    or 0 in x.shape[1:]:
+                want = ", ".join("any" if d is None else str(d) for d in shape)
+                raise ValueError(f"input {name!r}: expected shape (B, {want}); got {x.shape}")
             if x.dtype != np.dtype(spec["dtype"]):
                 raise ValueError(f"input {name!r}: expected dtype {spec['dtype']}; got {x.dtype} (convert it first)")
             if x.shape[0] == 0:
@@ -116,7 +118,7 @@ class StopRuntime:
         B = next(iter(feeds.values())).shape[0]
         rule = make_rule(self.rule_spec)
         rule.start(B)
-        outs = [np.empty((B, *o["shape"][1:]), dtype=o["dtype"]) for o in self.outputs]
+        outs: list = [None] * self._n_out  # allocated at the first write (sizes may follow the inputs')
         stop_times = np.full(B, self.last_step, dtype=np.int64)
         active = np.arange(B)
         planned = None  # stop step per running row, once a planning policy has spoken
@@ -130,7 +132,7 @@ class StopRuntime:
             n_state = len(res) - (self._n_out if step["readout"] else 0) - (step["policy"] is not None)
             state = res[:n_state]
             if t == self.last_step:
-                self._write(outs, res[n_state:n_state + self._n_out], active, None)
+                self._write(outs, res[n_state:n_state + self._n_out], active, None, B)
                 break
             if not step["readout"]:
                 continue
@@ -151,11 +153,11 @@ class StopRuntime:
             if not n_stop:
                 continue
             if n_stop == active.size:  # everyone left stops here (at batch 1: a stop ends the loop)
-                self._write(outs, output, active, None)
+                self._write(outs, output, active, None, B)
                 stop_times[active] = t
                 break
             gone = np.flatnonzero(stop)
-            self._write(outs, output, active[gone], gone)
+            self._write(outs, output, active[gone], gone, B)
             stop_times[active[gone]] = t
             keep = ~stop
             active = active[keep]
@@ -169,9 +171,12 @@ class StopRuntime:
         return RuntimeResult(outputs=outputs, stop_times=stop_times, num_steps=self.num_steps)
 
     @staticmethod
-    def _write(outs: list[np.ndarray], values: list[np.ndarray], rows: np.ndarray, pick: np.ndarray | None) -> None:
-        for o, v in zip(outs, values):
-            o[rows] = v if pick is None else v[pick]
+    def _write(outs: list, values: list[np.ndarray], rows: np.ndarray, pick: np.ndarray | None, batch: int) -> None:
+        """Stopped rows straight into their place in the result (preallocated on the first write)."""
+        for i, v in enumerate(values):
+            if outs[i] is None:
+                outs[i] = np.empty((batch, *v.shape[1:]), dtype=v.dtype)
+            outs[i][rows] = v if pick is None else v[pick]
 
     def run_one(self, sample: Any) -> tuple[Any, int]:
         """One input without a batch axis (an array, or a dict of arrays): (its output, its stop step)."""

@@ -44,6 +44,7 @@ class DenoiseApp(StoppingApp):
     baseline_stage = "heads"  # the frontier's baseline: DnCNN with exits on its frozen backbone
     budget_by = "cost"  # budgets in multiply-accumulates (the model's exit_costs), not in exits
     speed_batch = 8  # 8 test images at once (larger CPU batches of 128x128 images thrash the allocator)
+    export_dynamic_dims = {"inputs": [2, 3]}  # export: images of any height and width
     speed_samples = 24  # the first 24 test samples (image-major: every sigma of the first images)
 
     def __init__(self):
