@@ -131,3 +131,14 @@ def test_a_stage_that_goes_non_finite_names_it_and_keeps_its_last_good_checkpoin
 def test_step_ranges():
     assert step_ranges([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10"
     assert step_ranges([4]) == "4"
+
+
+def test_a_diverging_cli_stage_names_itself_in_a_one_line_error(tmp_path, capsys):
+    from learn2stop.cli import main
+
+    tiny = ["--maml.iterations", "4", "--maml.batch_size", "3", "--maml.eval_every", "2", "--maml.checkpoint_every", "2",
+            "--eval.tasks", "6", "--eval.val_tasks", "6", "--eval.chunk", "6", "--no-progress"]
+    assert main(["maml", "train", "--preset", "quick", "--maml.lr", "1e12", "--run-dir", str(tmp_path / "r")] + tiny) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("learn2stop maml train: error: stage 'baseline': the loss is not finite (per-step losses at "
+                          "step 1 non-finite") and "lower the stage's learning rate (lr 1e+12)" in err
