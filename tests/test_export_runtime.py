@@ -276,6 +276,17 @@ def test_cli_exports_a_trained_run_and_refuses_an_unfinished_one(tmp_path, capsy
     got = load(out).run(y.numpy())
     np.testing.assert_array_equal(got.stop_times, ref.stop_times.numpy())
     np.testing.assert_allclose(got.outputs, ref.outputs.numpy(), atol=1e-5, rtol=1e-5)
+    # calibrated: the export takes the run's calibration.json, and replaces the earlier export
+    assert main(["sparse", "calibrate", "--run-dir", str(run), "--budget", "0.6", *TINY]) == 0
+    assert main(["sparse", "export", "--run-dir", str(run), "--out", str(out), *TINY]) == 0
+    cal = json.loads((run / "calibration.json").read_text())
+    m = load(out).manifest
+    assert m["rule"]["source"] == "calibration.json" and m["rule"]["threshold"] == pytest.approx(cal["threshold"])
+    from learn2stop.core.calibration import load_calibration
+
+    with torch.no_grad():
+        ref = sm(y, rule=load_calibration(run).make_rule(sm.policy))
+    np.testing.assert_array_equal(load(out).run(y.numpy()).stop_times, ref.stop_times.numpy())
     from learn2stop.export import export_command
     from learn2stop.tasks.maml.app import APP as MAML
     from learn2stop.utils.config import ConfigError
