@@ -203,6 +203,11 @@ def test_corrupt_manifest_and_changed_graphs_are_refused(exported, tmp_path):
     (bad / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ManifestError, match="'rule' must name one of"):
         load(bad)
+    m = json.loads((folder / "manifest.json").read_text())
+    del m["steps"][1]["readout"]
+    (bad / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match="step 2: needs file"):
+        load(bad)
 
 
 def test_bad_inputs_are_refused_naming_the_input(exported):

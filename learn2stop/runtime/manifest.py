@@ -70,8 +70,9 @@ def read_manifest(folder: str | Path, verify: bool = True) -> dict:
     for s in steps:
         _require(isinstance(s.get("file"), str) and "/" not in s["file"] and "\\" not in s["file"]
                  and isinstance(s.get("sha256"), str) and isinstance(s.get("inputs"), list)
-                 and isinstance(s.get("outputs"), list) and s.get("policy") in (None, "logit", "plan"),
-                 path, f"step {s.get('t')}: needs file, sha256, inputs, outputs and policy; got {s!r}")
+                 and isinstance(s.get("outputs"), list) and isinstance(s.get("readout"), bool)
+                 and s.get("policy") in (None, "logit", "plan"),
+                 path, f"step {s.get('t')}: needs file, sha256, inputs, outputs, readout and policy; got {s!r}")
     _require(steps[-1]["readout"], path, "the last step must compute the readout")
     if verify:
         for s in steps:
