@@ -130,6 +130,50 @@ def test_denoise_exports_for_images_of_any_size(tmp_path):
         rt.run(np.zeros((1, 2, 9, 9), np.float32))
 
 
+class DictModel(nn.Module):
+    """Dict inputs, a dict output: the leaves are exported by name, the runtime takes and gives dicts."""
+
+    num_steps = 3
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def initial_state(self, inputs):
+        return inputs["a"] * 0
+
+    def step(self, t, state, inputs):
+        return torch.tanh(self.lin(state) + inputs["a"] * t + inputs["b"])
+
+    def readout(self, t, state, inputs):
+        return {"mean": state.mean(1, keepdim=True), "x": state}
+
+
+class DictPolicy(nn.Module):
+    def forward(self, inputs, output, t):
+        return 3 * output["x"].sum(1)
+
+
+def test_dict_inputs_and_outputs(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    torch.manual_seed(5)
+    sm = StoppingModel(DictModel(), DictPolicy()).eval()
+    inputs = {"a": torch.randn(20, 4, generator=g), "b": torch.randn(20, 4, generator=g)}
+    rule = InferenceConfig(rule="threshold", param=0.5)
+    export_stop_model(sm, rule, {k: v[:2] for k, v in inputs.items()}, tmp_path / "exp")
+    rt = load(tmp_path / "exp")
+    assert [i["name"] for i in rt.inputs] == ["inputs.a", "inputs.b"]
+    with torch.no_grad():
+        ref = sm(inputs, rule=rule.make_rule(sm.policy))
+    got = rt.run({k: v.numpy() for k, v in inputs.items()})
+    assert ref.stop_times.unique().numel() >= 2
+    np.testing.assert_array_equal(got.stop_times, ref.stop_times.numpy())
+    for key in ("mean", "x"):
+        np.testing.assert_allclose(got.outputs[key], ref.outputs[key].numpy(), atol=1e-5, rtol=1e-5)
+    out, t = rt.run_one({k: v[3].numpy() for k, v in inputs.items()})
+    assert t == int(ref.stop_times[3]) and out["x"].shape == (4,)
+
+
 def test_planning_policy_fixes_the_depth_once(sparse_sm, tmp_path):
     sm, y = sparse_sm
     planner = TinyPlanner(27, 7, plan_step=3)

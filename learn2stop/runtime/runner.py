@@ -19,7 +19,7 @@ from .rules import make_rule
 
 @dataclass
 class RuntimeResult:
-    """outputs: an array (or a dict of arrays for several outputs) in input order; stop_times: (B,) 1-based."""
+    """outputs: an array, or for a dict output a dict of arrays (its keys), in input order; stop_times: (B,) 1-based."""
 
     outputs: Any
     stop_times: np.ndarray
@@ -85,6 +85,8 @@ class StopRuntime:
                 raise ValueError(f"this model takes several inputs; pass a dict with {[i['name'] for i in self.inputs]}")
             inputs = {self.inputs[0]["name"]: inputs}
         expected = {i["name"] for i in self.inputs}
+        # a dict of inputs may use its own keys ("y") for the manifest's leaf names ("inputs.y")
+        inputs = {k if k in expected or not isinstance(k, str) else f"inputs.{k}": v for k, v in inputs.items()}
         if set(inputs) != expected:
             raise ValueError(f"inputs: expected {sorted(expected)}; got {sorted(inputs)}")
         out, batch = {}, None
@@ -167,7 +169,7 @@ class StopRuntime:
                 planned = planned[keep]
             for n in self._later_inputs[i]:
                 feeds[n] = feeds[n][keep]
-        outputs = outs[0] if self._n_out == 1 else {o["name"]: a for o, a in zip(self.outputs, outs)}
+        outputs = outs[0] if self._n_out == 1 else {o["name"].removeprefix("output."): a for o, a in zip(self.outputs, outs)}
         return RuntimeResult(outputs=outputs, stop_times=stop_times, num_steps=self.num_steps)
 
     @staticmethod
