@@ -174,6 +174,40 @@ def test_dict_inputs_and_outputs(tmp_path):
     assert t == int(ref.stop_times[3]) and out["x"].shape == (4,)
 
 
+class CachingModel(nn.Module):
+    """A state leaf ("cache") that no later step reads: the exporter drops it from the step graphs' inputs."""
+
+    num_steps = 4
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def initial_state(self, x):
+        return {"cache": x * 0, "h": x * 0}
+
+    def step(self, t, state, x):
+        h = torch.tanh(self.lin(state["h"]) + x)
+        return {"cache": 2 * h, "h": h}
+
+    def readout(self, t, state, x):
+        return state["cache"]
+
+
+class SumPolicy(nn.Module):
+    def forward(self, x, output, t):
+        return output.sum(1)
+
+
+def test_a_state_leaf_no_step_reads(tmp_path):
+    torch.manual_seed(6)
+    sm = StoppingModel(CachingModel(), SumPolicy()).eval()
+    x = torch.randn(30, 4, generator=torch.Generator().manual_seed(6))
+    times = _same_as_torch(sm, x, InferenceConfig(rule="threshold", param=0.5), tmp_path / "exp")
+    assert times.unique().numel() >= 2
+    assert [s["inputs"] for s in load(tmp_path / "exp").manifest["steps"]][1] == ["state.1", "inputs"]
+
+
 def test_planning_policy_fixes_the_depth_once(sparse_sm, tmp_path):
     sm, y = sparse_sm
     planner = TinyPlanner(27, 7, plan_step=3)

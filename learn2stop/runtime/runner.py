@@ -56,6 +56,7 @@ class StopRuntime:
         self.inputs, self.outputs = m["inputs"], m["outputs"]
         self.rule_spec = m["rule"]
         self.exit_costs = m["exit_costs"]
+        self._n_out = len(self.outputs)
         self._never_stop = np.float32((m.get("policy") or {}).get("never_stop_logit", -50.0))
         opts = ort.SessionOptions()
         opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
@@ -72,10 +73,15 @@ class StopRuntime:
                 raise ManifestError(f"{path} reads {names}, but {self.folder / 'manifest.json'} says {s['inputs']}")
             self._sessions.append(sess)
         in_names = [i["name"] for i in self.inputs]
+        # per step, fixed once: the inputs it reads, the state leaves it reads (the exporter drops the others,
+        # by index into the previous step's state outputs), and how many state outputs it gives
+        self._plan = [([n for n in s["inputs"] if n in in_names],
+                       [(n, int(n.split(".")[1])) for n in s["inputs"] if n not in in_names],
+                       len(s["outputs"]) - (self._n_out if s["readout"] else 0) - (s["policy"] is not None))
+                      for s in self._steps]
         # after step t, only the inputs some later graph reads are compacted with the batch
         self._later_inputs = [sorted({n for s in self._steps[t:] for n in s["inputs"] if n in in_names})
                               for t in range(1, len(self._steps) + 1)]
-        self._n_out = len(self.outputs)
 
     # ------------------------------------------------------------------ input checks
     def _check(self, inputs: Any) -> dict[str, np.ndarray]:
@@ -127,11 +133,11 @@ class StopRuntime:
         state: list[np.ndarray] = []
         for i, (sess, step) in enumerate(zip(self._sessions, self._steps)):
             t = step["t"]
-            feed = {n: feeds[n] for n in step["inputs"] if n in feeds}
-            for j, x in enumerate(state):
-                feed[f"state.{j}"] = x
+            reads, state_names, n_state = self._plan[i]
+            feed = {n: feeds[n] for n in reads}
+            for name, j in state_names:
+                feed[name] = state[j]
             res = sess.run(None, feed)
-            n_state = len(res) - (self._n_out if step["readout"] else 0) - (step["policy"] is not None)
             state = res[:n_state]
             if t == self.last_step:
                 self._write(outs, res[n_state:n_state + self._n_out], active, None, B)
