@@ -15,6 +15,11 @@ What is written to ``out_dir``:
 The folder is written to a temporary sibling and renamed into place: nothing is ever half-written,
 and an earlier export at the same place is replaced only once the new one is complete.
 
+The graphs are traced with torch's TorchScript-based exporter (``torch.onnx.export(dynamo=False)``, opset
+17): it needs nothing beyond ``onnx`` and drops the inputs a step never reads, which tells the runtime what
+to compact. It is deprecated since torch 2.9; a torch without it will need the dynamo exporter (onnxscript).
+Two ops our policies use get ONNX forms here (``logcumsumexp``, ``count_nonzero``).
+
 Example:
     >>> from learn2stop.export import export_stop_model              # doctest: +SKIP
     >>> export_stop_model(sm, {"name": "quantile", "param": 0.5}, y[:2], "exported", task="sparse")
