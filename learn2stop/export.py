@@ -49,7 +49,7 @@ FORMAT = "learn2stop-onnx"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 #: the rules the runtime implements in numpy (``fixed``: a fixed depth, param = the depth).
-RUNTIME_RULES = ("fixed", "threshold", "quantile", "confidence", "entropy", "tolerance")
+RUNTIME_RULES = ("fixed", "threshold", "quantile", "confidence", "entropy", "tolerance", "price")
 
 
 class ExportError(ValueError):
@@ -118,6 +118,8 @@ def _schedule(spec: dict, policy: Any, T: int) -> dict:
             if isinstance(plan, bool) or not isinstance(plan, int) or not 1 <= plan <= T - 1:
                 raise ExportError(f"policy.plan_step must be an integer in 1..{T - 1}; got {plan!r}")
             return {"last": T, "readout": list(range(plan, T + 1)), "policy": [], "plan": plan}
+        if name == "price":
+            raise ExportError("rule 'price' reads a planned q_phi: it needs a planning policy (one with plan_step)")
         first = max(int(getattr(policy, "min_step", 1)), 1)
         asked = list(range(first, T))
         return {"last": T, "readout": asked + [T], "policy": asked, "plan": None}

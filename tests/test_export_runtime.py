@@ -208,12 +208,13 @@ def test_a_state_leaf_no_step_reads(tmp_path):
     assert [s["inputs"] for s in load(tmp_path / "exp").manifest["steps"]][1] == ["state.1", "inputs"]
 
 
-def test_planning_policy_fixes_the_depth_once(sparse_sm, tmp_path):
+@pytest.mark.parametrize("rule,param", [("quantile", 0.5), ("price", 3.0)])
+def test_planning_policy_fixes_the_depth_once(sparse_sm, tmp_path, rule, param):
     sm, y = sparse_sm
     planner = TinyPlanner(27, 7, plan_step=3)
     _randomise(planner, 4)
     planned = StoppingModel(sm.model, planner).eval()
-    times = _same_as_torch(planned, y, InferenceConfig(rule="quantile", param=0.5), tmp_path / "exp")
+    times = _same_as_torch(planned, y, InferenceConfig(rule=rule, param=param), tmp_path / "exp")
     assert times.unique().numel() >= 2 and int(times.min()) >= 3
     m = json.loads((tmp_path / "exp" / "manifest.json").read_text())
     assert [s["policy"] for s in m["steps"]] == [None, None, "plan", None, None, None, None]
@@ -317,9 +318,11 @@ def test_export_refuses_what_it_cannot_write(sparse_sm, exported, tmp_path):
     assert (other / "keep.txt").read_text() == "mine" and len(list(other.iterdir())) == 1
     with pytest.raises(ExportError, match="needs a stopping policy"):
         export_stop_model(StoppingModel(sm.model), InferenceConfig(), y[:2], tmp_path / "nopolicy")
+    with pytest.raises(ExportError, match="needs a planning policy"):
+        export_stop_model(sm, {"name": "price", "param": 1.0}, y[:2], tmp_path / "price")
     with pytest.raises(ExportError, match="inference.sampled"):
         export_stop_model(sm, InferenceConfig(sampled=True), y[:2], tmp_path / "sampled")
-    assert not (tmp_path / "nopolicy").exists() and not (tmp_path / "sampled").exists()
+    assert not any((tmp_path / d).exists() for d in ("nopolicy", "sampled", "price"))
     assert not [p for p in tmp_path.iterdir() if "export-tmp" in p.name]
     # an earlier export is replaced, complete, by the new one
     export_stop_model(sm, {"name": "fixed", "param": 2}, y[:2], folder)

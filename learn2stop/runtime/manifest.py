@@ -8,7 +8,7 @@ from pathlib import Path
 FORMAT = "learn2stop-onnx"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-RULES = ("fixed", "threshold", "quantile", "confidence", "entropy", "tolerance")
+RULES = ("fixed", "threshold", "quantile", "confidence", "entropy", "tolerance", "price")
 
 
 class ManifestError(ValueError):

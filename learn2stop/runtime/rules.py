@@ -5,6 +5,7 @@ the manifest's threshold (score units, as :class:`~learn2stop.core.rules.SignalR
 
 - ``threshold``: pi_t = sigmoid(logit_t);
 - ``quantile``: -log prod_{s<=t} (1 - pi_s), i.e. 1 - prod (1 - pi_s) >= alpha (memory: one float per row);
+- ``price`` (planning policies only): the plan's q_phi re-priced, stop at argmax_t log q_phi(t) - price t / T;
 - ``confidence``: the max softmax probability of the output; ``entropy``: minus the softmax entropy;
 - ``tolerance``: minus the relative change of the output since the previous step (memory: that output);
 - ``fixed``: nobody is asked; the export ends at the depth.
@@ -89,6 +90,25 @@ class QuantileRule(Rule):
         return -np.cumsum(log_sigmoid(-plan), axis=1, dtype=np.float32)
 
 
+class PriceRule(Rule):
+    """A planning policy's q_phi re-priced (stop at argmax_t log q_phi(t) - price * t / T), as
+    :class:`~learn2stop.core.rules.PriceSignal`: score_t = -min_{s<=t} max_{s'>t} (log q(s') - log q(s)) / (c_s' - c_s)."""
+
+    def decide(self, t, output, logit):
+        raise ValueError("the price rule reads a planned q_phi: it needs a planning policy (one with plan_step)")
+
+    def plan_scores(self, plan):
+        B, T = plan.shape[0], plan.shape[1] + 1
+        zero = np.zeros((B, 1), np.float32)
+        log_survival = np.concatenate([zero, np.cumsum(log_sigmoid(-plan), axis=1, dtype=np.float32)], axis=1)
+        log_q = log_survival + np.concatenate([log_sigmoid(plan), zero], axis=1)  # (B, T)
+        c = np.arange(1, T + 1, dtype=np.float32) / np.float32(T)
+        dc = c[None, :] - c[:, None]  # (T, T) c_s' - c_s
+        ratio = (log_q[:, None, :] - log_q[:, :, None]) / np.where(dc > 0, dc, np.float32(1))  # (B, s, s')
+        cols = [ratio[:, :t, t:].max(axis=2).min(axis=1) for t in range(1, T)]
+        return -np.stack(cols, axis=1) if cols else np.zeros((B, 0), np.float32)
+
+
 class ConfidenceRule(Rule):
     uses_output = True
 
@@ -132,7 +152,7 @@ class FixedRule(Rule):
 
 
 RULES = {"threshold": ThresholdRule, "quantile": QuantileRule, "confidence": ConfidenceRule,
-         "entropy": EntropyRule, "tolerance": ToleranceRule, "fixed": FixedRule}
+         "entropy": EntropyRule, "tolerance": ToleranceRule, "price": PriceRule, "fixed": FixedRule}
 
 
 def make_rule(spec: dict) -> Rule:
