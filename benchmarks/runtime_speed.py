@@ -7,7 +7,8 @@ batch (1000 sparse, 256 classify).
     python benchmarks/runtime_speed.py --sparse-run runs/final-sparse --classify-run runs/classify-quick
     python benchmarks/runtime_speed.py --tiny                            # a smoke run (the tests use it)
 
-Sizes: sparse is the quick preset's LISTA-stop (125x250, T = 16, sketch policy); classify the quick
+Sizes: sparse is the quick preset's LISTA-stop (125x250, T = 16, its planning policy; ``--sparse-policy
+sketch`` for the policy asked at every step) on the preset's test problems; classify the quick
 preset's network (vgg6-narrow, 32x32, 10 classes, 5 exits and the exit policy). Without a run directory
 the weights are random (LISTA from ISTA) and the policy's output bias is set (``--random-bias``; by default
 the bias whose constant pi_t makes the default rule, quantile alpha 0.5, stop at about 65 % of T) so that it
@@ -66,19 +67,18 @@ def _set_bias(policy: nn.Module, bias: float | None, T: int) -> None:
     nn.init.constant_(_last_linear(policy).bias, auto_bias(T) if bias is None else bias)
 
 
-def sparse_model(tiny: bool, bias: float | None, n: int):
-    """LISTA-stop of the quick size (ISTA-initialised LISTA, sketch policy) and n test problems."""
-    from learn2stop.tasks.sparse.models import LISTA
-    from learn2stop.tasks.sparse.policy import SparseStopPolicy
-    from learn2stop.tasks.sparse.problem import ProblemConfig, make_matrix, sample_problems
+def sparse_model(tiny: bool, bias: float | None, n: int, features: str = "plan"):
+    """LISTA-stop as the quick preset builds it (ISTA-initialised LISTA and its policy: by default the
+    planning policy), and n of the preset's test problems."""
+    from learn2stop.tasks.sparse.app import APP, preset
 
-    p = ProblemConfig(m=13, n=27) if tiny else ProblemConfig(m=125, n=250)
-    A, T = make_matrix(p), 5 if tiny else 16
-    torch.manual_seed(0)
-    policy = SparseStopPolicy(A, T, "sketch", 4 if tiny else 32, (8,) if tiny else (64, 64))
-    _set_bias(policy, bias, T)
-    y = sample_problems(A, p, n, torch.Generator().manual_seed(1)).y
-    return StoppingModel(LISTA(A, T), policy).eval(), InferenceConfig(), y
+    small = {"problem": {"m": 13, "n": 27, "test_per_snr": 10, "val_per_snr": 10}, "lista": {"num_steps": 5},
+             "policy": {"sketch_dim": 4, "hidden": [8]}} if tiny else {}
+    cfg = preset("quick", **{**small, "policy": {**small.get("policy", {}), "features": features}})
+    sm = APP.build_models(cfg, "cpu")["stop"].eval()
+    _set_bias(sm.policy, bias, sm.num_steps)
+    y = torch.cat([b[0] for b in APP.eval_batches(cfg, "test", "cpu")])
+    return sm, InferenceConfig(), y[:n] if y.shape[0] >= n else y.repeat(n // y.shape[0] + 1, 1)[:n]
 
 
 def classify_model(tiny: bool, bias: float | None, n: int):
@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--classify-run", default=None, help="a trained classify run directory (else random weights)")
     ap.add_argument("--random-bias", type=float, default=None,
                     help="random weights: the policy's output bias (default: stop at about 65 %% of T)")
+    ap.add_argument("--sparse-policy", default="plan", choices=["plan", "sketch", "full"],
+                    help="random weights: the sparse policy (the quick preset's is 'plan')")
     ap.add_argument("--samples", type=int, default=200, help="inputs timed one by one at batch 1")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="tiny sizes and batches: a smoke run")
@@ -188,7 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
             sm, rule, inputs = _from_run(task, run)
             source = f"trained run {run}"
         else:
-            sm, rule, inputs = (sparse_model if task == "sparse" else classify_model)(args.tiny, args.random_bias, n)
+            sm, rule, inputs = (sparse_model(args.tiny, args.random_bias, n, args.sparse_policy) if task == "sparse"
+                                else classify_model(args.tiny, args.random_bias, n))
             source = "random weights"
         with tempfile.TemporaryDirectory() as tmp:
             export_stop_model(sm, rule, inputs[:2], Path(tmp) / "exported", task=task)
