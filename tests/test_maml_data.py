@@ -187,7 +187,7 @@ def test_omniglot_folders_bad_inputs(tmp_path):
     write_png_omniglot(tmp_path / "a")
     bad = tmp_path / "a" / "images_evaluation" / "Gamma" / "character01" / "Ga0_02.png"
     bad.write_bytes(b"\x89PNG garbage")
-    with pytest.raises(DataError, match="corrupt or unreadable image file .*Ga0_02.png"):
+    with pytest.raises(DataError, match="cannot read image .*Ga0_02.png: not an image, truncated or corrupt"):
         load_omniglot_folders(tmp_path / "a", "train")
     write_png_omniglot(tmp_path / "b")
     for f in (tmp_path / "b" / "images_evaluation").rglob("*.png"):
@@ -235,7 +235,7 @@ def test_miniimagenet_bad_inputs(tmp_path):
         MiniImagenet(tmp_path / "m", "val")
     (tmp_path / "m" / "images" / "n0100000002.jpg").write_bytes(b"garbage")
     ds = MiniImagenet(tmp_path / "m", "train")
-    with pytest.raises(DataError, match="corrupt or unreadable image file .*n0100000002.jpg"):
+    with pytest.raises(DataError, match="cannot read image .*n0100000002.jpg: not an image, truncated or corrupt"):
         ds.images(0, torch.tensor([1, 2]))
     (tmp_path / "m" / "images" / "n0100000001.jpg").unlink()
     with pytest.raises(DataError, match="n0100000001.jpg does not exist"):

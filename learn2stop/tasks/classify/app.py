@@ -27,6 +27,7 @@ from ...core.rules import SIGNALS, ConfidenceSignal, EntropySignal, PatienceSign
 from ...core.calibration import calibrate_budget
 from ...utils.config import ConfigError, int_at_least, one_of, require
 from ...utils.report import markdown_table, write_json
+from ...utils.images import list_image_files
 from ..base import TaskSpec, as_run, register_task, train_pipeline
 from .data import Augment, ImageDataError, ImageSet, channel_stats, list_datasets, load_dataset, load_image_file, \
     normalize, split_validation
@@ -53,6 +54,7 @@ class DataConfig:
         one_of(self.kind, SOURCES, "data.kind")
         require(0 < self.val_fraction < 1, "data.val_fraction", f"must be in (0, 1); got {self.val_fraction}")
         int_at_least(self.size, "data.size", 8)
+        int_at_least(self.synthetic_classes, "data.synthetic_classes", 2)  # one class: nothing to classify
         require(self.kind == "synthetic" or self.path != "", "data.path", f"needed for data.kind = {self.kind}")
 
 
@@ -339,7 +341,7 @@ def predict(cfg: ClassifyConfig, run) -> dict:
     if not cfg.predict.input or not src.exists():
         raise ConfigError(f"predict.input: give an image file or folder; got {cfg.predict.input!r}")
     imgs = APP.images(cfg)
-    files = sorted(p for p in src.rglob("*") if p.is_file()) if src.is_dir() else [src]
+    files = list_image_files(src, recursive=True, error=ImageDataError) if src.is_dir() else [src]
     arrays = []
     for f in files:
         arr, notes = load_image_file(f, cfg.data.size, imgs.train.image_shape[0])

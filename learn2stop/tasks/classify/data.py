@@ -20,9 +20,9 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from ...utils.images import IMAGE_SUFFIXES, is_hidden, read_image, to_uint8
 from ...utils.registry import Registry
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
 
@@ -295,42 +295,19 @@ def load_cifar_python(path: str | Path, num_classes: int = 10) -> tuple[ImageSet
 # ----------------------------------------------------------------------------- image files
 def load_image_file(path: str | Path, size: int | None = None, in_channels: int = 3,
                     resize: bool = True) -> tuple[np.ndarray, list[str]]:
-    """One image as uint8 (C, H, W), and notes on what was converted.
+    """One image as uint8 (C, H, W), and notes on what was converted (read by :func:`utils.images.read_image`).
 
-    Grey, palette or RGBA images become RGB (``in_channels`` 3) or grey (1), with a note; an image
-    not ``size`` x ``size`` is resized (bilinear) with a note, or refused if ``resize`` is False.
+    Grey, palette or RGBA images become RGB (``in_channels`` 3) or grey (1), with a note; 16-bit and
+    float images are scaled by their depth; an image not ``size`` x ``size`` is resized (bilinear)
+    with a note, or refused if ``resize`` is False.
 
     Raises:
-        ImageDataError: missing, not an image, truncated or corrupt, or of the wrong size.
+        ImageDataError: missing, not an image, truncated, corrupt or too large, or of the wrong size.
     """
-    from PIL import Image, UnidentifiedImageError
-
-    path = Path(path)
     if in_channels not in (1, 3):
         raise ValueError(f"in_channels must be 1 or 3; got {in_channels}")
-    if not path.is_file():
-        raise ImageDataError(f"image not found: {path}")
-    notes = []
-    mode = "RGB" if in_channels == 3 else "L"
-    try:
-        with Image.open(path) as im:
-            im.load()  # decode now: truncated files fail here, not later
-            if im.mode != mode:
-                notes.append(f"{path}: {im.mode} image converted to {mode}")
-                im = im.convert(mode)
-            if size is not None and im.size != (size, size):
-                if not resize:
-                    raise ImageDataError(f"{path} is {im.size[0]}x{im.size[1]}, not {size}x{size} "
-                                         f"(resizing is off)")
-                notes.append(f"{path}: resized from {im.size[0]}x{im.size[1]} to {size}x{size}")
-                im = im.resize((size, size), Image.Resampling.BILINEAR)
-            arr = np.asarray(im, dtype=np.uint8)
-    except ImageDataError:
-        raise
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise ImageDataError(f"cannot read image {path}: not an image, truncated or corrupt ({e})") from None
-    arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)  # (C, H, W)
-    return np.ascontiguousarray(arr), notes
+    img, notes = read_image(path, in_channels, size, resize, error=ImageDataError)
+    return to_uint8(img), notes
 
 
 def _stack(files: Sequence[Path], size: int | None, in_channels: int, resize: bool,
@@ -350,8 +327,7 @@ def _stack(files: Sequence[Path], size: int | None, in_channels: int, resize: bo
 
 
 def _image_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir()
-                  if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_SUFFIXES)
+    return sorted(p for p in folder.iterdir() if p.is_file() and not is_hidden(p) and p.suffix.lower() in IMAGE_SUFFIXES)
 
 
 def load_image_folder(root: str | Path, size: int | None = None, in_channels: int = 3, resize: bool = True,
@@ -517,7 +493,12 @@ def load_dataset(kind: str, path: str | Path, **options) -> tuple[ImageSet, Imag
     if unknown:
         raise ValueError(f"unknown dataset option(s) {', '.join(unknown)}; "
                          f"options: {', '.join(LoadOptions.__dataclass_fields__)}")
-    return loader(Path(path), LoadOptions(**options))
+    train, test = loader(Path(path), LoadOptions(**options))
+    present = np.unique(train.labels)
+    if len(present) < 2:  # one class is no classification: every loss would be 0
+        raise ImageDataError(f"{train.source}: the training images hold {len(present)} class(es) "
+                             f"({', '.join(train.classes[int(k)] for k in present) or 'none'}); a classifier needs at least 2")
+    return train, test
 
 
 # ----------------------------------------------------------------------------- tensors

@@ -199,13 +199,14 @@ def denoise_files(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
     sm = load_stage(APP, cfg, run.run_dir, APP.stop_stage if c.model == "stop" else "baseline", run.device)
     rule, desc = deployed_rule(APP, cfg, run.run_dir, sm) if c.model == "stop" else (FixedDepth(), "full depth")
     run.log(f"denoise: {c.model} model, {desc}")
-    net, records = sm.model, []
-    for k, path in enumerate(files):
+    net, records, images = sm.model, [], []
+    for path in files:  # every input read and checked before any output is written
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            img = load_image(path)
+            images.append(load_image(path))
         for w in caught:
             run.log(f"  note: {w.message}")
+    for k, (path, img) in enumerate(zip(files, images)):
         x = torch.from_numpy(img)[None, None]
         if c.add_sigma > 0:
             x = add_noise(x, c.add_sigma, torch.Generator().manual_seed(derive_seed(cfg.seed, "denoise", k)))

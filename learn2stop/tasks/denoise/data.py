@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".pgm")
+from ...utils.images import IMAGE_SUFFIXES, list_image_files, read_image  # noqa: F401 (IMAGE_SUFFIXES re-exported)
 
 
 class ImageDataError(ValueError):
@@ -26,47 +26,22 @@ class ImageDataError(ValueError):
 
 # ----------------------------------------------------------------------------- loading
 def list_images(folder: str | Path) -> list[Path]:
-    """Sorted image files of ``folder`` (by suffix); a clear error if it is missing or has none."""
-    folder = Path(folder)
-    if not folder.exists():
-        raise ImageDataError(f"image folder not found: {folder}")
-    if not folder.is_dir():
-        raise ImageDataError(f"expected a folder of images, got a file: {folder}")
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-    if not files:
-        raise ImageDataError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in folder {folder}")
-    return files
+    """Sorted image files of ``folder`` (by suffix, hidden files skipped); a clear error if it is missing or has none."""
+    return list_image_files(folder, error=ImageDataError)
 
 
 def load_image(path: str | Path) -> np.ndarray:
-    """One image as float32 (H, W) in [0, 1]; colour images are converted to grey with a warning.
+    """One image as float32 (H, W) in [0, 1] (read by :func:`utils.images.read_image`): 16-bit images
+    scaled by 65535, float images above 1 rescaled by their maximum, colour converted to grey
+    (ITU-R 601 luma), each with a warning naming the file.
 
     Raises:
-        ImageDataError: if the file is missing, unreadable or not an image.
+        ImageDataError: if the file is missing, unreadable, too large or not an image.
     """
-    from PIL import Image, UnidentifiedImageError
-
-    path = Path(path)
-    if not path.is_file():
-        raise ImageDataError(f"image not found: {path}")
-    try:
-        with Image.open(path) as im:
-            im.load()
-            mode = im.mode
-            if mode in ("L", "I;16", "I", "F"):
-                arr = np.asarray(im, dtype=np.float32)
-                scale = {"L": 255.0, "I;16": 65535.0}.get(mode, max(float(arr.max()), 1.0) if mode != "F" else 1.0)
-                arr = arr / scale
-            else:
-                if mode not in ("1", "LA"):
-                    warnings.warn(f"{path.name}: colour image (mode {mode}) converted to greyscale "
-                                  f"(ITU-R 601 luma); the denoiser works on one grey channel", stacklevel=2)
-                arr = np.asarray(im.convert("L"), dtype=np.float32) / 255.0
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
-        raise ImageDataError(f"cannot read image {path}: {e}") from None
-    if arr.ndim != 2 or arr.size == 0:
-        raise ImageDataError(f"image {path} has unsupported shape {arr.shape}")
-    return np.clip(arr, 0.0, 1.0).astype(np.float32)
+    img, notes = read_image(path, channels=1, error=ImageDataError)
+    for note in notes:
+        warnings.warn(note + ("; the denoiser works on one grey channel" if "converted" in note else ""), stacklevel=2)
+    return img[0]
 
 
 def check_image_size(img: np.ndarray, path: str | Path, min_size: int,

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import csv
 import math
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from ...utils.images import read_image, to_uint8
 
 
 class DataError(ValueError):
@@ -219,8 +223,9 @@ def load_omniglot_npz(root: str | Path, split: str, split_file: str | Path | Non
         try:
             with np.load(f, allow_pickle=False) as z:
                 imgs, alph, char = z["images"], z["alphabet"], z["character"]
-        except (KeyError, ValueError, OSError) as e:
-            raise DataError(f"{f} is corrupt or lacks the arrays images/alphabet/character: {e}") from None
+        except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+            raise DataError(f"{f} is corrupt, truncated or lacks the arrays images/alphabet/character "
+                            f"({type(e).__name__}: {e})") from None
         if imgs.ndim != 4 or imgs.dtype != np.uint8:
             raise DataError(f"{f}: images must be uint8 (characters, drawings, H, W); got {imgs.dtype} {imgs.shape}")
         if alph.ndim != 1 or char.ndim != 1 or not len(alph) == len(char) == imgs.shape[0]:
@@ -246,16 +251,8 @@ def load_omniglot_npz(root: str | Path, split: str, split_file: str | Path | Non
 
 
 def _load_gray(path: Path, size: int) -> np.ndarray:
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as im:
-            im = im.convert("L")
-            if im.size != (size, size):
-                im = im.resize((size, size), Image.LANCZOS)
-            return np.asarray(im, dtype=np.uint8)
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
-        raise DataError(f"corrupt or unreadable image file {path}: {e}") from None
+    """One drawing as uint8 (size, size) grey, resized with Lanczos (:func:`utils.images.read_image`)."""
+    return to_uint8(read_image(path, channels=1, size=size, resample="lanczos", error=DataError)[0][0])
 
 
 def load_omniglot_folders(root: str | Path, split: str, split_file: str | Path | None = None,
@@ -375,20 +372,10 @@ class MiniImagenet:
         return (3, self.image_size, self.image_size)
 
     def images(self, c: int, idx: Tensor) -> Tensor:
-        from PIL import Image, UnidentifiedImageError
-
-        out = []
-        for i in idx.tolist():
-            path = self.files[c][i]
-            try:
-                with Image.open(path) as im:
-                    im = im.convert("RGB")
-                    if im.size != (self.image_size, self.image_size):
-                        im = im.resize((self.image_size, self.image_size), Image.BILINEAR)
-                    out.append(np.asarray(im, dtype=np.uint8))
-            except (UnidentifiedImageError, OSError, SyntaxError) as e:
-                raise DataError(f"corrupt or unreadable image file {path}: {e}") from None
-        return torch.from_numpy(np.stack(out)).float().permute(0, 3, 1, 2) / 255.0  # (n, 3, H, W)
+        # read and resized as float (utils.images.read_image), then quantised like the stored 8-bit files
+        out = [to_uint8(read_image(self.files[c][i], channels=3, size=self.image_size, error=DataError)[0])
+               for i in idx.tolist()]
+        return torch.from_numpy(np.stack(out)).float() / 255.0  # (n, 3, H, W)
 
 
 # ----------------------------------------------------------------------------- sinusoid

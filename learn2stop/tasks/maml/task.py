@@ -45,6 +45,8 @@ class DataConfig:
     def __post_init__(self):
         one_of(self.source, SOURCES, "source")
         ints_at_least(self, "k_min", "n_way", "query_per_class")
+        if self.source != "sinusoid":  # one class is no classification: every label is 0 and the loss is 0
+            require(self.n_way >= 2, "n_way", f"a few-shot task needs at least 2 classes; got {self.n_way}")
         require(isinstance(self.k_max, int) and self.k_max >= self.k_min, "k_max",
                 f"must be an integer >= k_min = {self.k_min}; got {self.k_max!r}")
         ints_at_least(self, "image_size", least=16)
@@ -62,7 +64,7 @@ class Data:
             self.split = {"train": None, "val": None, "test": None}  # tasks are generated, not loaded
             return
         self.sampler = FewShotSampler(cfg.n_way, cfg.k_min, cfg.k_max, cfg.query_per_class)
-        load = {"omniglot_npz": lambda s: D.load_omniglot_npz(cfg.path, s, cfg.split_file or None),
+        load = {"omniglot_npz": lambda s: D.load_omniglot_npz(cfg.path, s, cfg.split_file or None, image_size=cfg.image_size),
                 "omniglot_folders": lambda s: D.load_omniglot_folders(cfg.path, s, cfg.split_file or None, image_size=cfg.image_size),
                 "miniimagenet": lambda s: D.MiniImagenet(cfg.path, s, image_size=cfg.image_size)}[cfg.source]
         self.split = {s: load(s) for s in ("train", "val", "test")}
