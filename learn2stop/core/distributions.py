@@ -71,7 +71,8 @@ def stop_logits_from_distribution(log_q: Tensor) -> Tensor:
         >>> stop_logits_from_distribution(torch.tensor([[0.5, 0.25, 0.25]]).log())
         tensor([[0., 0.]])
     """
-    _check_steps("log_q", log_q.clamp_min(-1e30))
+    if log_q.dim() != 2 or log_q.shape[1] < 1:  # no finiteness pass: a planning policy calls this on the hot path
+        raise ValueError(f"log_q must have shape (B, T); got shape {tuple(log_q.shape)}")
     tail = torch.logcumsumexp(log_q.flip(1), dim=1).flip(1)  # (B, T) log sum_{tau >= t} q(tau)
     return log_q[:, :-1] - tail[:, 1:]
 

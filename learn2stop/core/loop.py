@@ -294,9 +294,13 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
         nonlocal remaining, active, state, inputs
         n = active.numel()
         times = rule.plan(StepView(t, T, inputs, output, None, state, active)).clamp(max(t, 1), T)
+        remaining = [0] * (T + 1)
+        if n == 1:  # a single sample: its depth is all there is to know (one sync, nothing to sort)
+            depth = int(times)
+            remaining[t:depth] = [1] * (depth - t)
+            return output
         times, order = torch.sort(times, descending=True, stable=True)
         # one host sync: how many rows are still running after each step t..T
-        remaining = [0] * (T + 1)
         counts = torch.bincount(times, minlength=T + 1).flip(0).cumsum(0).flip(0)  # counts[s] = #(times >= s)
         remaining[t:] = counts[t + 1:].tolist() + [0]
         active, state, inputs = active[order], tree_select(state, order), tree_select(inputs, order)

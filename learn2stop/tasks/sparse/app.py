@@ -208,6 +208,11 @@ PRESETS: dict[str, dict] = {
         # the steps worse than a sample's average up: -13.4 dB at step 11 against LISTA's -18.0); a price of
         # 0.5 per full depth moves the oracle's mass, and so the training, towards earlier steps.
         "method": {"beta": 0.28, "price": 0.5},
+        # The depth is planned once per sample at the first step with 2 % of the oracle's mass (step 5 of 16):
+        # late enough that the residual shows the noise level, early enough for every budget from 30 %. The
+        # price rule re-prices that one plan for any budget (price 0: q_phi's most likely step).
+        "policy": {"min_mass": 0.02},
+        "inference": {"rule": "price", "param": 0.0},
     },
 }
 # The paper's problem at Table 1's accuracy on 2 CPU cores (issue 10): 66 min measured, all stages and baselines:
