@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .tasks.base import RunContext, get_task, list_tasks
+from .tasks.base import TRAINING_COMMANDS, RunContext, get_task, list_tasks
 from .utils.checkpoint import CheckpointError
 from .utils.config import ConfigError, add_config_arguments, overrides_from_args, resolve
 
@@ -44,12 +44,82 @@ def build_parser(task_name: str) -> argparse.ArgumentParser:
                      help="calibrate: mean steps (or cost) at most this fraction of full depth, in (0, 1]")
     cal.add_argument("--epsilon", type=float, default=None,
                      help="calibrate: the metric may be worse than full depth by at most this (risk control)")
-    cal.add_argument("--delta", type=float, default=0.1, help="calibrate: the bound holds with probability >= 1 - delta")
+    cal.add_argument("--delta", type=float, default=None,
+                     help="calibrate: the bound holds with probability >= 1 - delta (default 0.1)")
     cal.add_argument("--rule", default=None, help="calibrate: which rule (default: inference.rule)")
     cal.add_argument("--no-speed", action="store_true", help="frontier: skip the wall-clock measurements")
     parser.add_argument("--out", default=None, help="export: folder for the ONNX graphs and manifest (new, or an earlier export)")
     add_config_arguments(parser, spec.config_class)
     return parser
+
+
+#: command-line options that only some commands read: anywhere else they would be silently ignored
+COMMAND_OPTIONS = {"budget": ("calibrate",), "epsilon": ("calibrate",), "delta": ("calibrate",), "rule": ("calibrate",),
+                   "no_speed": ("frontier",), "no_resume": ("train", "reproduce"), "out": ("export",)}
+
+
+def check_command_options(args: argparse.Namespace, spec, cfg) -> None:
+    """Refuse an option the command does not read, a calibration target that is not exactly one, and a
+    stop rule the task does not have, before any run directory is touched."""
+    from .core.calibration import check_budget, check_risk
+    from .core.pipeline import check_rule
+
+    for name, commands in COMMAND_OPTIONS.items():
+        value = getattr(args, name, None)
+        if value not in (None, False) and args.command not in commands:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag}: only the {' and '.join(repr(c) for c in commands)} command(s) read it; "
+                              f"'{args.command}' would ignore it")
+    if spec.app is not None:
+        check_rule(spec.app, cfg, cfg.inference.rule if hasattr(cfg, "inference") else "quantile", "inference.rule",
+                   spec.name)
+    if args.command == "calibrate":
+        if (args.budget is None) == (args.epsilon is None):
+            raise ConfigError("calibrate: give exactly one target: --budget B (mean cost as a fraction of full depth) "
+                              "or --epsilon E [--delta D] (allowed loss of quality with risk level delta)")
+        if args.budget is not None:
+            check_budget(args.budget)
+            if args.delta is not None:
+                raise ConfigError("--delta: the risk level goes with --epsilon; a --budget target has none")
+        else:
+            check_risk(args.epsilon, 0.1 if args.delta is None else args.delta)
+        if args.rule is not None:
+            check_rule(spec.app, cfg, args.rule, "--rule", spec.name)
+
+
+def _new_folder_root(path: Path) -> Path | None:
+    """The outermost folder of ``path`` that does not exist yet (what a refused command must not leave)."""
+    path = Path(path).expanduser().absolute()
+    if path.exists():
+        return None
+    top = path
+    while not top.parent.exists():
+        top = top.parent
+    return top
+
+
+def _remove_new_run(top: Path | None, run_dir: Path) -> None:
+    """After a refused training command in a folder it created: remove the folder if it holds only the
+    command's own bookkeeping (lock, config, fingerprint, an empty checkpoints/), never a checkpoint."""
+    import shutil
+
+    if top is None or not top.is_dir():
+        return
+    run_dir = Path(run_dir).expanduser().absolute()
+    ours = {".lock", "config.yaml", "fingerprint.json", "metrics.jsonl", "checkpoints"}
+    if run_dir.is_dir():
+        entries = {p.name for p in run_dir.iterdir()}
+        ckpts = run_dir / "checkpoints"
+        if not entries <= ours or (ckpts.is_dir() and any(ckpts.iterdir())):
+            return
+        shutil.rmtree(run_dir)
+    for folder in [run_dir.parent, *run_dir.parent.parents]:  # the empty parents it made
+        if not (folder == top or top in folder.parents):
+            break
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.preset not in spec.presets:
             raise ConfigError(f"preset: unknown preset {args.preset!r} for task {task_name!r}; available: {', '.join(spec.presets)}")
-        cfg = resolve(spec.config_class, spec.presets[args.preset], args.config, overrides_from_args(args))
+        overrides = overrides_from_args(args)
+        asked = overrides.get("inference", {}).get("rule") if isinstance(overrides.get("inference"), dict) else None
+        if asked is not None and spec.app is not None:  # the task's rules first: its other settings do not matter then
+            from .core.pipeline import check_rule
+
+            check_rule(spec.app, spec.config_class(), asked, "inference.rule", task_name)
+        cfg = resolve(spec.config_class, spec.presets[args.preset], args.config, overrides)
     except ConfigError as e:
         parser.error(str(e))
     if args.print_config:
@@ -95,28 +171,29 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     run = RunContext(run_dir=Path(args.run_dir or f"runs/{task_name}-{args.preset}"), ctx=ctx,
                      progress=not args.no_progress, resume=not args.no_resume,
-                     options={"budget": args.budget, "epsilon": args.epsilon, "delta": args.delta, "rule": args.rule,
+                     options={"budget": args.budget, "epsilon": args.epsilon,
+                              "delta": 0.1 if args.delta is None else args.delta, "rule": args.rule,
                               "no_speed": args.no_speed, "out": args.out})
+    new_folder = _new_folder_root(run.run_dir) if args.command in TRAINING_COMMANDS else None
+    failed = True
     try:
-        if args.command == "calibrate":  # the flags first: a bad target touches no run directory
-            from .core.calibration import check_budget, check_risk
-
-            if args.budget is not None:
-                check_budget(args.budget)
-            if args.epsilon is not None:
-                check_risk(args.epsilon, args.delta)
+        check_command_options(args, spec, cfg)  # the flags first: a bad option touches no run directory
         if args.command == "export":  # likewise: a bad --out touches no run directory
             from .export import check_out_dir
 
             check_out_dir(args.out)
         run.prepare(cfg, args.command)
         spec.commands[args.command](cfg, run)
+        run.record(cfg, args.command)  # a reading command's config.<command>.yaml: only once it succeeded
+        failed = False
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError, OSError) as e:
         print(f"learn2stop {task_name} {args.command}: error: {e}", file=sys.stderr)
         return 2
     finally:
         run.close()
         shutdown_distributed(ctx)
+        if failed and ctx.is_main:
+            _remove_new_run(new_folder, run.run_dir)
     return 0
 
 

@@ -16,6 +16,7 @@ threshold is scored at once without running the model again.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -33,13 +34,13 @@ POLICY_RULES = ("threshold", "quantile", "price")  # "price" needs a planning po
 CALIBRATION_FILE = "calibration.json"
 
 
-@dataclass
 def policy_rules(policy) -> tuple[str, ...]:
     """The policy rules a policy supports: all of them for a planning policy, else all but the price rule."""
     plans = getattr(policy, "plan_step", None) is not None
     return tuple(r for r in POLICY_RULES if plans or r not in PLANNING_RULES)
 
 
+@dataclass
 class InferenceConfig:
     """How a trained stopping model stops at test time.
 
@@ -57,10 +58,12 @@ class InferenceConfig:
 
     def __post_init__(self):
         one_of(self.rule, list(SIGNALS), "inference.rule")
-        require(isinstance(self.param, (int, float)) and math.isfinite(self.param), "inference.param",
-                f"must be a finite number; got {self.param!r}")
-        if self.rule in POLICY_RULES:
-            require(0 < self.param <= 1, "inference.param", f"a {self.rule} rule's parameter must be in (0, 1]; got {self.param}")
+        require(isinstance(self.param, (int, float)) and not isinstance(self.param, bool) and math.isfinite(self.param),
+                "inference.param", f"must be a finite number; got {self.param!r}")
+        check_param(self.rule, self.param, "inference.param")
+        for name in ("sampled", "use_calibrated"):
+            require(isinstance(getattr(self, name), bool), f"inference.{name}",
+                    f"must be true or false; got {getattr(self, name)!r}")
 
     @property
     def uses_policy(self) -> bool:
@@ -92,6 +95,23 @@ class InferenceConfig:
         if self.sampled:
             return sampled_stop_times(rollout.stop_logits, generator)
         return first_crossing(policy_scores(rollout.stop_logits, self.rule), SIGNALS[self.rule].from_param(self.param))
+
+
+#: each rule's parameter: (test, what it must be); a calibration may also hold inf (never stop early)
+PARAM_RANGES = {
+    "quantile": (lambda p: 0 < p <= 1, "in (0, 1] (alpha: the stop-time quantile)"),
+    "threshold": (lambda p: 0 < p <= 1, "in (0, 1] (a stop probability)"),
+    "tolerance": (lambda p: p > 0, "> 0 (the change between steps below which to stop)"),
+    "confidence": (lambda p: 0 < p <= 1, "in (0, 1] (a softmax probability)"),
+    "entropy": (lambda p: p > 0, "> 0 (an entropy in nats)"),
+    "patience": (lambda p: float(p).is_integer() and p >= 1, "an integer >= 1 (exits in a row)"),
+}
+
+
+def check_param(rule: str, param: float, field: str) -> None:
+    """Refuse a parameter outside the rule's range, naming ``field``."""
+    ok, what = PARAM_RANGES.get(rule, (lambda p: True, ""))
+    require(ok(param), field, f"the {rule} rule's parameter must be {what}; got {param!r}")
 
 
 def policy_scores(stop_logits: Tensor, rule: str) -> Tensor:
@@ -142,10 +162,32 @@ class Calibration:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Calibration":
+    def from_dict(cls, d: dict, where: str = "calibration") -> "Calibration":
+        """A calibration from its JSON form; a bad field raises ConfigError naming ``where`` and the field."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where}: expected a JSON object; got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known, key=str)
+        missing = sorted({"rule", "threshold", "target"} - set(d))
+        if unknown or missing:
+            raise ConfigError(f"{where}: " + (f"unknown field(s) {', '.join(map(str, unknown))}" if unknown else
+                                              f"missing field(s) {', '.join(missing)}"))
         d = dict(d)
-        d["threshold"] = math.inf if d.get("threshold") is None else float(d["threshold"])
-        d["param"] = math.inf if d.get("param") is None else float(d["param"])
+        require(d["rule"] in SIGNALS, f"{where}: rule", f"must be one of {list(SIGNALS)}; got {d['rule']!r}")
+        for k in ("threshold", "param"):
+            v = d.get(k)
+            if v is None:  # strict JSON's null: never stop early
+                d[k] = math.inf
+                continue
+            require(isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v), f"{where}: {k}",
+                    f"must be a number (or null: never stop early); got {v!r}")
+            d[k] = float(v)
+        if "param" not in d:
+            d["param"] = SIGNALS[d["rule"]].to_param(d["threshold"])
+        if math.isfinite(d["param"]):
+            check_param(d["rule"], d["param"], f"{where}: param")
+        for k in ("target", "calibration", "test"):
+            require(isinstance(d.get(k, {}), dict), f"{where}: {k}", f"must be a JSON object; got {d.get(k)!r}")
         return cls(**d)
 
 
@@ -163,6 +205,29 @@ def check_budget(budget: float, flag: str = "--budget") -> None:
         raise ConfigError(f"{flag}: the budget is a fraction of full depth in (0, 1]; got {budget!r}")
 
 
+def _check_scores(scores: Any, signal_name: str) -> None:
+    """(N, T-1) finite-or-inf scores of a known signal, N >= 1 (ValueError naming the argument otherwise)."""
+    if not isinstance(scores, Tensor):
+        raise TypeError(f"scores: expected a (N, T-1) tensor; got {type(scores).__name__}")
+    if scores.dim() != 2 or scores.shape[0] == 0 or scores.shape[1] == 0:
+        raise ValueError(f"scores: expected a (N, T-1) tensor with N >= 1 samples and T >= 2 steps; "
+                         f"got shape {tuple(scores.shape)}")
+    if torch.isnan(scores).any():
+        raise ValueError(f"scores: {int(torch.isnan(scores).sum())} NaN value(s) in the signal trace; "
+                         f"a NaN score cannot be compared with a threshold")
+    if not isinstance(signal_name, str) or signal_name not in SIGNALS:
+        raise ValueError(f"signal_name: must be one of {list(SIGNALS)}; got {signal_name!r}")
+
+
+def _check_costs(costs: Any, steps: int) -> None:
+    if not isinstance(costs, Tensor) or costs.dim() != 1 or costs.numel() != steps:
+        shape = tuple(costs.shape) if isinstance(costs, Tensor) else type(costs).__name__
+        raise ValueError(f"costs: expected a ({steps},) tensor, one cumulative cost per step (T = scores.shape[1] + 1); "
+                         f"got {shape}")
+    if not torch.isfinite(costs).all():
+        raise ValueError("costs: NaN or infinite values; every step's cost must be a finite number")
+
+
 def calibrate_budget(scores: Tensor, costs: Tensor, budget: float, signal_name: str, to_param=lambda x: x) -> Calibration:
     """The largest threshold whose mean cost on these samples is at most ``budget`` (fraction of c_T = 1).
 
@@ -175,6 +240,8 @@ def calibrate_budget(scores: Tensor, costs: Tensor, budget: float, signal_name: 
         threshold would exceed B.
     """
     check_budget(budget)
+    _check_scores(scores, signal_name)
+    _check_costs(costs, scores.shape[1] + 1)
     if float(costs[0]) > budget + 1e-9:
         raise ConfigError(f"--budget: {budget} is below the cost of the first step ({float(costs[0]):.3f}): "
                           "no rule can spend less")
@@ -249,7 +316,21 @@ def calibrate_risk(scores: Tensor, risk_losses: Tensor, epsilon: float, delta: f
     at the first that fails; fixed-sequence testing controls the family-wise error at delta.
     """
     check_risk(epsilon, delta)
-    N, T = risk_losses.shape
+    _check_scores(scores, signal_name)
+    N, T = scores.shape[0], scores.shape[1] + 1
+    if not isinstance(risk_losses, Tensor) or tuple(risk_losses.shape) != (N, T):
+        shape = tuple(risk_losses.shape) if isinstance(risk_losses, Tensor) else type(risk_losses).__name__
+        raise ValueError(f"risk_losses: expected ({N}, {T}), one loss per sample and step of the scores; got {shape}")
+    if not torch.isfinite(risk_losses).all():
+        raise ValueError(f"risk_losses: {int((~torch.isfinite(risk_losses)).sum())} NaN or infinite value(s); "
+                         f"the risk of a rule is a mean of these losses and must be finite")
+    if costs is not None:
+        _check_costs(costs, T)
+    if loss_range is not None:
+        ok = (isinstance(loss_range, (tuple, list)) and len(loss_range) == 2
+              and all(isinstance(v, (int, float)) and math.isfinite(v) for v in loss_range) and loss_range[0] < loss_range[1])
+        if not ok:
+            raise ValueError(f"loss_range: expected two finite numbers (a, b) with a < b; got {loss_range!r}")
     costs = costs if costs is not None else torch.arange(1, T + 1, dtype=torch.float32) / T
     cand = _candidates(scores, max_candidates).flip(0)  # +inf (full depth) first, then ever more aggressive
     chosen, tested = None, 0
@@ -287,13 +368,18 @@ def save_calibration(cal: Calibration, run_dir: str | Path) -> Path:
 
 
 def load_calibration(run_dir: str | Path) -> Calibration | None:
+    """The run's ``calibration.json``, checked field by field (None if there is none)."""
     path = Path(run_dir) / CALIBRATION_FILE
     if not path.is_file():
         return None
     try:
-        return Calibration.from_dict(json.loads(path.read_text()))
-    except (ValueError, TypeError, KeyError) as e:
-        raise ConfigError(f"{path} is not a valid calibration file ({e}); calibrate again") from None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{path} is not a valid calibration file ({e}); calibrate again or delete it") from None
+    try:
+        return Calibration.from_dict(data, where=str(path))
+    except ConfigError as e:
+        raise ConfigError(f"{e}; calibrate again or delete the file") from None
 
 
 def active_rule(inference: InferenceConfig, run_dir: str | Path | None, policy=None, key=None,
@@ -302,6 +388,9 @@ def active_rule(inference: InferenceConfig, run_dir: str | Path | None, policy=N
 
     Returns (rule, description).
     """
+    if not isinstance(inference, InferenceConfig):
+        raise TypeError(f"inference: expected an InferenceConfig (e.g. InferenceConfig(rule='quantile', param=0.5)); "
+                        f"got {inference!r}")
     cal = load_calibration(run_dir) if (run_dir is not None and inference.use_calibrated and not inference.sampled) else None
     if cal is not None:
         desc = f"calibrated {cal.rule} rule ({cal.target}), {cal.rule} parameter {cal.param:.4g}"

@@ -14,6 +14,7 @@ its data, metric and report. The core runs the rest, the same way for every task
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -196,6 +197,7 @@ def run_pipeline(app: StoppingApp, cfg: Any, run) -> dict[str, dict]:
 
 def load_stage(app: StoppingApp, cfg: Any, run_dir: str | Path, stage: str, device=None) -> StoppingModel:
     """The model trained by a finished ``stage`` of a run, in eval mode (a clear error if it is missing)."""
+    check_config(cfg)
     by_name = {s.name: s for s in app.stages(cfg)}
     if stage not in by_name:
         raise ConfigError(f"stage: {stage!r} is not a stage of this task; stages: {', '.join(by_name)}")
@@ -203,6 +205,36 @@ def load_stage(app: StoppingApp, cfg: Any, run_dir: str | Path, stage: str, devi
     sm = models[by_name[stage].model]
     load_finished_stage(sm, Path(run_dir) / "checkpoints", stage, map_location=device or "cpu")
     return sm.eval()
+
+
+#: rules that read class probabilities: only a task whose outputs are class logits has them
+CLASS_RULES = ("confidence", "entropy", "patience")
+
+
+def task_rules(app: StoppingApp, cfg: Any) -> list[str]:
+    """The stop rules of a task: the policy's (quantile, threshold) and its classical signals."""
+    return [*POLICY_RULES, *app.classical_signals(cfg)]
+
+
+def check_rule(app: StoppingApp, cfg: Any, rule: Any, field: str, task: str = "") -> None:
+    """Refuse a rule the task does not have, naming ``field`` and listing the task's rules."""
+    rules = task_rules(app, cfg)
+    if rule in rules:
+        return
+    listing = f"rules of {'task ' + task if task else 'this task'}: {', '.join(rules)}"
+    if rule in CLASS_RULES:
+        raise ConfigError(f"{field}: the {rule!r} rule reads class probabilities, and this task's outputs have no "
+                          f"classes; {listing}")
+    if rule in SIGNALS:
+        raise ConfigError(f"{field}: this task has no {rule!r} rule; {listing}")
+    raise ConfigError(f"{field}: {rule!r} is not a stop rule; {listing}")
+
+
+def check_config(cfg: Any, where: str = "cfg") -> None:
+    """A task's config dataclass instance (from its ``preset()`` or ``resolve``), not a dict or a class."""
+    if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
+        raise TypeError(f"{where}: expected the task's config dataclass (e.g. preset('quick') of the task's app "
+                        f"module); got {type(cfg).__name__ if not isinstance(cfg, type) else cfg}")
 
 
 def _require_trained(run_dir: Path, stage: str, command: str) -> None:
@@ -235,6 +267,7 @@ def calibrate_command(app: StoppingApp, cfg: Any, run, *, budget: float | None =
     else:
         check_risk(epsilon, delta)
     rule = rule or app.inference(cfg).rule
+    check_rule(app, cfg, rule, "--rule")
     _require_trained(run.run_dir, app.stop_stage, "calibrate")
     sm = load_stage(app, cfg, run.run_dir, app.stop_stage, run.device)
     if SIGNALS[rule].needs_policy and sm.policy is None:
@@ -394,4 +427,10 @@ def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5,
 
 def deployed_rule(app: StoppingApp, cfg: Any, run_dir, sm: StoppingModel, generator=None):
     """The rule a trained run uses at inference: its calibration if any, else the config's (rule, description)."""
+    check_config(cfg)
+    inference = app.inference(cfg)
+    check_rule(app, cfg, inference.rule, "inference.rule")
+    cal = load_calibration(run_dir) if run_dir is not None and inference.use_calibrated and not inference.sampled else None
+    if cal is not None:
+        check_rule(app, cfg, cal.rule, f"{Path(run_dir) / 'calibration.json'}: rule")
     return active_rule(app.inference(cfg), run_dir, sm.policy, generator=generator)

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import re
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable, Protocol
@@ -42,6 +45,24 @@ class TrainingTask(Protocol):
     def sample_batch(self, batch_size: int, generator: torch.Generator, device: torch.device) -> tuple[Any, Any]: ...
 
     def validation_batches(self, device: torch.device) -> Iterable[tuple[Any, Any]]: ...
+
+
+def check_stage_name(name: Any) -> None:
+    """A stage name is a plain file name (``checkpoints/<name>.pt``): letters, digits, ``_ - .``, no path."""
+    if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}", name)):
+        raise ValueError(f"stage name: must be a plain name of letters, digits, '_', '-' or '.' (it names "
+                         f"checkpoints/<name>.pt), without a path; got {name!r}")
+
+
+def check_writable(folder: Path) -> None:
+    """Create and remove a file in ``folder``: a real test (os.access says yes to root on a read-only mount)."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".write-test.", suffix=".tmp", dir=folder)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise OSError(f"cannot write checkpoints to {folder} ({e.strerror or e}); make it writable or use another "
+                      f"--run-dir (nothing was changed)") from None
 
 
 def derive_seed(*parts: Any) -> int:
@@ -181,6 +202,10 @@ class StagedTrainer:
         Returns a summary dict: the stage name, iterations run, best validation score and
         wall-clock seconds.
         """
+        check_stage_name(name)
+        if not isinstance(cfg, StageConfig):
+            raise TypeError(f"fit: the stage config must be a StageConfig (e.g. StageConfig(objective='stage1', "
+                            f"beta=0.1)); got {type(cfg).__name__}")
         cfg = cfg if cfg.resolved else cfg.inherit()
         path, best_path = self.ckpt_dir / f"{name}.pt", self.ckpt_dir / f"{name}_best.pt"
         params = self._trainable(cfg)
@@ -202,6 +227,7 @@ class StagedTrainer:
         saved_at = start if start > 0 else None  # the last good checkpoint of this stage, kept if it diverges
 
         if self.ctx.is_main and (self.run_dir / "metrics.jsonl").is_file():
+            check_writable(self.ckpt_dir)  # a resume that cannot save its next checkpoint changes nothing
             # records logged after the checkpoint we resume from would otherwise appear twice
             truncate_metrics(self.run_dir / "metrics.jsonl", name, start)
         objective = StageObjective(self.sm, self.task.loss_fn, cfg)

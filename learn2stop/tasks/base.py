@@ -53,7 +53,8 @@ class RunContext:
         a training command first moves an existing run's files aside into ``previous-<time>/``.
         """
         from ..utils.checkpoint import clean_stale_temp_files
-        from ..utils.rundir import RunLock, check_fingerprint, move_aside, prepare_run_dir, write_fingerprint
+        from ..utils.rundir import (RunDirError, RunLock, check_fingerprint, move_aside, prepare_run_dir,
+                                    read_fingerprint, write_fingerprint)
 
         if getattr(self, "_prepared", None) is not None:
             return  # a command calling another (reproduce -> train) prepares once
@@ -69,16 +70,32 @@ class RunContext:
                     self.log(f"--no-resume: the earlier run's files were moved to {moved}")
             fp = run_fingerprint(cfg)
             ckpts = self.run_dir / "checkpoints"
-            if training and not (ckpts.is_dir() and any(ckpts.glob("*.pt"))):
+            trained = ckpts.is_dir() and any(ckpts.glob("*.pt"))
+            if training and not trained:
                 # nothing trained yet (a first attempt that failed early): the settings are still free
                 (self.run_dir / "fingerprint.json").unlink(missing_ok=True)
+            task = task_of_config(cfg)
+            owner = run_owner(self.run_dir, read_fingerprint(self.run_dir))
+            if task and owner and owner != task:
+                raise RunDirError(f"run directory {self.run_dir} belongs to task {owner}; use 'learn2stop {owner} "
+                                  f"{command}', or another --run-dir for task {task}")
             known = check_fingerprint(self.run_dir, fp, command)
+            if trained and not known:
+                raise RunDirError(f"run directory {self.run_dir} has checkpoints but no fingerprint.json, so the "
+                                  f"settings they were trained with cannot be checked; restore the file or use a "
+                                  f"new --run-dir")
             if training and not known:
-                write_fingerprint(self.run_dir, fp)
-            name = "config.yaml" if training else f"config.{command}.yaml"
-            save_yaml(cfg, self.run_dir / name)
+                write_fingerprint(self.run_dir, fp, task)
+            if training:
+                save_yaml(cfg, self.run_dir / "config.yaml")
         self._prepared = command
         self.ctx.barrier()
+
+    def record(self, cfg: Any, command: str) -> None:
+        """Save a reading command's config as ``config.<command>.yaml`` (after it succeeded; training
+        commands saved ``config.yaml`` in :meth:`prepare`)."""
+        if command not in TRAINING_COMMANDS and self.ctx.is_main:
+            save_yaml(cfg, Path(self.run_dir) / f"config.{command}.yaml")
 
     def close(self) -> None:
         """Release the run directory's lock (the OS also releases it when the process ends)."""
@@ -93,6 +110,32 @@ class RunContext:
             print(message, flush=True)
 
 
+def task_of_config(cfg: Any) -> str | None:
+    """The registered task whose config class ``cfg`` is (None for a config no task registered)."""
+    return next((spec.name for spec in _specs() if isinstance(cfg, spec.config_class)), None)
+
+
+def run_owner(run_dir: Path, fields: dict | None) -> str | None:
+    """The task a run directory was trained for: as recorded in ``fingerprint.json``, or (older runs) the
+    task whose config has exactly the stored top-level sections."""
+    from ..utils.rundir import fingerprint_task
+
+    if fields is None:
+        return None
+    recorded = fingerprint_task(run_dir)
+    if recorded:
+        return recorded
+    matches = [spec.name for spec in _specs() if set(run_fingerprint(spec.config_class())) == set(fields)]
+    return matches[0] if len(matches) == 1 else None
+
+
+def _specs() -> list["TaskSpec"]:
+    from . import load_all
+
+    load_all()
+    return [TASKS.get(n) for n in TASKS.names()]
+
+
 def as_run(run: "RunContext | str | Path") -> "RunContext":
     """A RunContext for a folder given as a path (the Python API), or the one the CLI made."""
     return run if isinstance(run, RunContext) else RunContext(Path(run))
@@ -102,6 +145,9 @@ def train_pipeline(app: Any, cfg: Any, run: "RunContext | str | Path", note: str
     """The ``train`` command of every task: check and lock the run directory, then the core pipeline."""
     from ..core.pipeline import run_pipeline
 
+    from ..core.pipeline import check_config
+
+    check_config(cfg)
     run = as_run(run)
     run.prepare(cfg)
     if note:

@@ -163,8 +163,8 @@ def _convert(value: Any, tp: Any, field: str) -> Any:
                 as_float = float(value)
                 if not as_float.is_integer():
                     raise ValueError
-                return int(as_float)
-            return int(value)
+                return _bounded_int(int(as_float), field)
+            return _bounded_int(int(value), field)
         if tp is float:
             if isinstance(value, bool):
                 raise ConfigError(f"{field}: expected float, not a boolean; got {value!r}")
@@ -180,6 +180,16 @@ def _convert(value: Any, tp: Any, field: str) -> Any:
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"{field}: expected {_type_name(tp)}; got {value!r}") from None
+    return value
+
+
+def _bounded_int(value: int, field: str) -> int:
+    """An integer that fits the 64 bits torch and numpy use; a seed must also be >= 0."""
+    seed = field.rsplit(".", 1)[-1].endswith("seed")
+    if seed and not 0 <= value < 2 ** 63:
+        raise ConfigError(f"{field}: a seed must be an integer in [0, 2**63); got {value}")
+    if not -2 ** 63 <= value < 2 ** 63:
+        raise ConfigError(f"{field}: {value} does not fit in a 64-bit integer")
     return value
 
 
@@ -235,7 +245,8 @@ def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
     try:
         return cls(**kwargs)
     except ConfigError as e:
-        raise ConfigError(f"{prefix}{e}") from None
+        # a section that names its fields in full ("model.vgg: ...") is not prefixed again
+        raise ConfigError(str(e) if str(e).startswith(prefix) else f"{prefix}{e}") from None
 
 
 def merge(base: dict, update: dict | None) -> dict:
@@ -313,6 +324,8 @@ def load_yaml(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"config file {path} is a directory, not a YAML file")
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"config file {path} is not a regular file (a device, pipe or socket); give a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
@@ -373,6 +386,43 @@ def _metavar(tp: Any) -> str:
 def resolve(cls: type, preset: dict | None = None, yaml_path: str | None = None, overrides: dict | None = None) -> Any:
     """Defaults <- preset <- YAML file <- CLI overrides, merged field by field, then validated by building ``cls``."""
     data = to_dict(cls())
-    for layer in (preset or {}, load_yaml(yaml_path) if yaml_path else {}, overrides or {}):
+    layers = (preset or {}, load_yaml(yaml_path) if yaml_path else {}, overrides or {})
+    for layer in layers:
         data = merge(data, layer)
-    return from_dict(cls, data)
+    try:
+        return from_dict(cls, data)
+    except ConfigError as e:
+        raise _blame_objective(cls, data, layers, e) from None
+
+
+def _get(data: Any, path: list[str]) -> Any:
+    for p in path:
+        data = data.get(p) if isinstance(data, dict) else None
+    return data
+
+
+def _blame_objective(cls: type, data: dict, layers: tuple, error: ConfigError) -> ConfigError:
+    """A stage's variant refused after its objective was changed names the objective, not the variant.
+
+    ``--stage1.objective stage2`` leaves stage1's default variant (``marginal``), which stage2 does not
+    have: the user changed the objective, so the message is about it (the config's own objective check,
+    or: this objective needs its own variant).
+    """
+    import re
+
+    m = re.match(r"([\w.]+)\.variant: ", str(error))
+    if not m:
+        return error
+    section = m.group(1).split(".")
+    last_obj = max((i for i, layer in enumerate(layers) if _get(layer, section + ["objective"]) is not None), default=None)
+    last_var = max((i for i, layer in enumerate(layers) if _get(layer, section + ["variant"]) is not None), default=-1)
+    if last_obj is None or last_var >= last_obj:
+        return error
+    retry = merge(data, unflatten({".".join(section + ["variant"]): ""}))
+    try:
+        from_dict(cls, retry)
+    except ConfigError as e:
+        return e if ".objective" in str(e) else error
+    objective = _get(data, section + ["objective"])
+    return ConfigError(f"{'.'.join(section)}.objective: {objective!r} does not take the variant "
+                       f"{_get(data, section + ['variant'])!r} this section has; give its variant too ({error})")

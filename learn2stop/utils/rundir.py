@@ -322,7 +322,17 @@ def check_fingerprint(run_dir: str | os.PathLike, data: dict, command: str = "")
                       f"use a new --run-dir, or the settings it was trained with")
 
 
-def write_fingerprint(run_dir: str | os.PathLike, data: dict) -> Path:
+def fingerprint_task(run_dir: str | os.PathLike) -> str | None:
+    """The task recorded in ``<run_dir>/fingerprint.json`` (None: no file, or one written before tasks were)."""
+    path = Path(run_dir) / FINGERPRINT_FILE
+    try:
+        task = json.loads(path.read_text(encoding="utf-8")).get("task")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return task if isinstance(task, str) else None
+
+
+def write_fingerprint(run_dir: str | os.PathLike, data: dict, task: str | None = None) -> Path:
     """Store ``data`` and its hash in ``<run_dir>/fingerprint.json``, once, after the checks passed.
 
     Writing the same fields again changes nothing; different fields raise as
@@ -333,8 +343,11 @@ def write_fingerprint(run_dir: str | os.PathLike, data: dict) -> Path:
     path = Path(run_dir) / FINGERPRINT_FILE
     if check_fingerprint(run_dir, data):
         return path
-    text = json.dumps({"sha256": fingerprint(data), "fields": _plain(data, ""),
-                       "written": _dt.datetime.now().isoformat(timespec="seconds")}, indent=2, allow_nan=False)
+    record = {"sha256": fingerprint(data), "fields": _plain(data, ""),
+              "written": _dt.datetime.now().isoformat(timespec="seconds")}
+    if task:
+        record["task"] = task  # outside the hashed fields: "this run belongs to task maml"
+    text = json.dumps(record, indent=2, allow_nan=False)
     return write_text_atomic(path, text + "\n")
 
 
@@ -399,4 +412,4 @@ def truncate_metrics(path: str | os.PathLike, stage: str, iteration: int) -> int
 
 
 __all__ = ["ABSENT", "FINGERPRINT_FILE", "LOCK_FILE", "RunDirError", "RunLock", "check_fingerprint", "diff_fields",
-           "fingerprint", "move_aside", "prepare_run_dir", "read_fingerprint", "truncate_metrics", "write_fingerprint"]
+           "fingerprint", "fingerprint_task", "move_aside", "prepare_run_dir", "read_fingerprint", "truncate_metrics", "write_fingerprint"]
