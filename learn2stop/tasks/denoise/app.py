@@ -22,7 +22,7 @@ import torch
 
 from ...core import FixedDepth, Metric, StoppingModel, derive_seed, run_with_early_exit
 from ...core.evaluation import collect_trace, evaluate_rule
-from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage, oracle_min_step
+from ...core.pipeline import Stage, StoppingApp, deploy_calibration, deployed_rule, load_stage, oracle_min_step
 from ...core.rules import ToleranceSignal
 from ...utils.config import ConfigError, to_dict
 from ...utils.report import write_json
@@ -180,6 +180,7 @@ def reproduce(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
     run = as_run(run)
     t0 = time.perf_counter()
     out = {"training": train(cfg, run)}
+    deploy_calibration(APP, cfg, run)
     out.update(evaluate(cfg, run))
     run.log(f"total wall-clock: {time.perf_counter() - t0:.0f}s")
     return out

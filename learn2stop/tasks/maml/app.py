@@ -19,7 +19,7 @@ import torch
 from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, ToleranceSignal
 from ...core.evaluation import collect_trace, evaluate_rule
 from ...core.loop import FixedDepth
-from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage
+from ...core.pipeline import Stage, StoppingApp, deploy_calibration, deployed_rule, load_stage
 from ...core.trainer import derive_seed
 from ...utils.config import from_dict, ints_at_least, merge, require, to_dict
 from ...utils.report import write_json
@@ -222,6 +222,10 @@ def evaluate(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
     else:
         maml_last = evaluate_rule(base.model, batches, FixedDepth, metric, dev)["values"]
     rows = {f"MAML ({T} steps)": summarize(maml_last, scale), "MAML-stop (learned stop)": summarize(learned["values"], scale)}
+    if desc.startswith("calibrated") and not cfg.inference.sampled:  # the configured rule as a second operating point
+        inf = cfg.inference
+        other = evaluate_rule(stop.model, batches, lambda: inf.make_rule(stop.policy, gen), metric, dev)
+        rows[f"MAML-stop ({inf.rule} {inf.param:g}, {other['mean_steps']:.2f} steps)"] = summarize(other["values"], scale)
     if cfg.eval.per_step:
         sign = 1.0 if metric.lower_is_better else -1.0
         d = int((sign * val_steps.mean(0)).argmin()) + 1  # the best fixed depth on validation
@@ -246,4 +250,5 @@ def reproduce(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
     """Train both methods (resuming what exists), then evaluate them on the same test tasks."""
     run = as_run(run)
     train(cfg, run)
+    deploy_calibration(APP, cfg, run)
     return evaluate(cfg, run)
