@@ -2,6 +2,7 @@
 
     python benchmarks/classify_cifar.py --preset cifar                  # VGG16-BN on the CIFAR subset (CPU: hours)
     python benchmarks/classify_cifar.py --preset cifar --device cuda --iterations 3000 --data-path gpu_data
+    python benchmarks/classify_cifar.py --preset quick --arch resnet20 --threads 2      # any --model.arch
 
 Prints Table 7 (network alone, SDN, Stage I; rules at equal FLOPs) and the frontier summary: the
 learned policy against the confidence, entropy and patience rules, with measured images/s at batch 1
@@ -30,6 +31,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--iterations", type=int, default=0, help="override every model stage's iterations")
     ap.add_argument("--data-path", default=None)
+    ap.add_argument("--arch", default=None, help="override the preset's model.arch (vgg16, resnet20, resnet56, ...)")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.threads:
@@ -43,10 +45,12 @@ def main() -> None:
         over["stage2"] = {"iterations": max(args.iterations // 4, 1), "eval_every": every, "checkpoint_every": every}
     if args.data_path:
         over["data"] = {"path": args.data_path}
+    if args.arch:
+        over["model"] = {"arch": args.arch}
     from learn2stop.utils.config import merge
 
     cfg = resolve(ClassifyConfig, merge(PRESETS[args.preset], over))
-    run = RunContext(Path(args.run_dir or f"runs/bench-classify-{args.preset}"), ctx=DistContext(device=torch.device(args.device)),
+    run = RunContext(Path(args.run_dir or f"runs/bench-classify-{args.preset}" + (f"-{args.arch}" if args.arch else "")), ctx=DistContext(device=torch.device(args.device)),
                      progress=False)
     t0 = time.perf_counter()
     train(cfg, run)

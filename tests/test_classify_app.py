@@ -9,7 +9,7 @@ from PIL import Image
 from learn2stop.cli import main
 
 TINY = ["--data.kind", "synthetic", "--data.size", "16", "--data.synthetic_per_class", "24",
-        "--data.synthetic_classes", "3", "--model.vgg", "vgg6-narrow", "--model.fc_width", "16", "--eval_batch", "64",
+        "--data.synthetic_classes", "3", "--model.arch", "vgg6-narrow", "--model.fc_width", "16", "--eval_batch", "64",
         "--no-progress", "--threads", "1",
         *[a for s in ("baseline", "sdn", "stage1", "stage2")
           for a in (f"--{s}.iterations", "8", f"--{s}.batch_size", "16", f"--{s}.eval_every", "4",
@@ -77,7 +77,7 @@ def test_a_checkpoint_for_another_number_of_classes_is_refused(trained, capsys):
     from learn2stop.utils.config import from_dict
 
     cfg = from_dict(ClassifyConfig, {"data": {"kind": "synthetic", "size": 16, "synthetic_per_class": 24,
-                                              "synthetic_classes": 4}, "model": {"vgg": "vgg6-narrow", "fc_width": 16}})
+                                              "synthetic_classes": 4}, "model": {"arch": "vgg6-narrow", "fc_width": 16}})
     with pytest.raises(CheckpointError, match="does not fit"):  # and the checkpoint itself, without the fingerprint
         load_stage(APP, cfg, trained, "stage2")
 
@@ -85,7 +85,7 @@ def test_a_checkpoint_for_another_number_of_classes_is_refused(trained, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--data.kind", "mnist"], "data.kind"),
     (["--data.kind", "folder", "--data.path", "/nonexistent/folder"], "nonexistent"),
-    (["--model.vgg", "vgg99"], "model.vgg"),
+    (["--model.arch", "vgg99"], "model.arch"),
     (["--table_budget", "0"], "table_budget"),
 ])
 def test_bad_configs_name_the_field(args, message, tmp_path, capsys):
@@ -99,12 +99,37 @@ def test_bad_configs_name_the_field(args, message, tmp_path, capsys):
 
 
 def test_exit_costs_are_the_measured_flops():
-    from learn2stop.tasks.classify import APP, ClassifyConfig, exit_flops
+    from learn2stop.tasks.classify import APP, ClassifyConfig
     from learn2stop.utils.config import from_dict
 
     cfg = from_dict(ClassifyConfig, {"data": {"kind": "synthetic", "size": 16, "synthetic_per_class": 6,
-                                              "synthetic_classes": 2}, "model": {"vgg": "vgg6-narrow"}})
+                                              "synthetic_classes": 2}, "model": {"arch": "vgg6-narrow"}})
     sm = APP.build_models(cfg, "cpu")["stop"]
-    torch.testing.assert_close(torch.tensor(sm.model.exit_costs, dtype=torch.float64),
-                               torch.tensor(exit_flops(sm.model), dtype=torch.float64))
+    flops = sm.model.flops
+    assert sm.model.exit_costs == flops.exits and flops.exits[-1] == sm.model.network_flops + sum(flops.heads)
     assert sm.policy(None, torch.randn(5, 2), 1).shape == (5,)
+
+
+@pytest.mark.parametrize("arch", ["resnet20", "resnet56", "resnet18"])  # VGG: the reproduce above (every VGG builds
+# and runs in test_classify_models)
+def test_every_architecture_trains_evaluates_and_predicts_a_tiny_config(arch, tmp_path):
+    size = "16"
+    run = tmp_path / "run"
+    args = ["--run-dir", str(run), "--data.kind", "synthetic", "--data.size", size, "--data.synthetic_per_class", "9",
+            "--data.synthetic_classes", "2", "--model.arch", arch, "--eval_batch", "32", "--no-progress",
+            "--threads", "1", "--model.width", "4",
+            *[a for s in ("baseline", "sdn", "stage1", "stage2")
+              for a in (f"--{s}.iterations", "2", f"--{s}.batch_size", "8", f"--{s}.eval_every", "2",
+                        f"--{s}.checkpoint_every", "2", f"--{s}.warmup", "0")]]
+    assert main(["classify", "train", *args]) == 0
+    assert main(["classify", "evaluate", *args]) == 0
+    res = json.loads((run / "results.json").read_text())
+    steps = len(res["per_exit"]["SDN training"])  # SDN's placement: six exits and the network's own classifier
+    assert steps == 7
+    assert [len(v) for v in res["per_exit"].values()] == [steps] * 3
+    assert 0 < res["deployed"]["flops_fraction"] <= 1 + 1e-9
+    img = tmp_path / "x.png"
+    Image.fromarray(np.zeros((int(size), int(size), 3), dtype=np.uint8)).save(img)
+    assert main(["classify", "predict", *args, "--predict.input", str(img)]) == 0
+    pred = json.loads((run / "predictions.json").read_text())["predictions"]
+    assert len(pred) == 1 and 1 <= pred[0]["exit"] <= steps

@@ -1,157 +1,154 @@
-"""VGG-BN with internal classifiers: FLOP identities, SDN's IC placement, early exit that really
-skips conv layers, and clear errors for bad inputs."""
+"""The classify networks (VGG-BN, CIFAR ResNet-20/56, ResNet-18 at 64x64) with exits attached by attach_exits:
+SDN's FLOP-based placement, FLOP identities, exits that read the right features, early exit that skips
+rows, every registered architecture on a tiny batch, and clear errors for bad inputs."""
 import pytest
 import torch
 from torch import nn
 
+from learn2stop.core.exits import SDN_FRACTIONS, attach_exits
 from learn2stop.core.loop import StopAtTimes, run_with_early_exit, unroll
-from learn2stop.tasks.classify.models import (
-    SDN_FRACTIONS, ICHead, VGGEarlyExit, build_vgg, exit_flops, flop_table, full_network_flops, list_vgg_configs,
-    step_flops)
+from learn2stop.tasks.classify.models import VGG, ResNet, build_network, list_archs
 
 
-def small_net(positions=(1, 2, 4), size=12):
-    """Five convs, odd-ish sizes (12 -> 6 -> 3), non-trivial BN statistics, eval mode."""
-    torch.manual_seed(0)
-    net = VGGEarlyExit([4, "M", 6, 6, "M", 8, 5], num_classes=7, input_size=size, ic_positions=positions,
-                       fc_width=9, pool_size=2)
+def randomise_bn(net):
     for m in net.modules():
         if isinstance(m, nn.BatchNorm2d):
             m.running_mean.uniform_(-0.1, 0.1)
             m.running_var.uniform_(0.5, 1.5)
-    return net.eval()
+    return net
 
 
-def test_layout_steps_and_heads():
-    net = small_net()
-    assert net.num_convs == 5 and net.num_steps == 4
-    assert [net.convs_at(t) for t in range(1, 5)] == [1, 2, 4, 5]
-    assert sum(isinstance(m, nn.BatchNorm2d) for m in net.modules()) == 5
+def small_vgg(positions=(1, 2, 4), size=12):
+    """Five convs, odd-ish sizes (12 -> 6 -> 3), non-trivial BN statistics, eval mode."""
+    torch.manual_seed(0)
+    net = randomise_bn(VGG([4, "M", 6, 6, "M", 8, 5], num_classes=7, input_size=size, fc_width=9))
+    cands = net.exit_candidates()
+    return attach_exits(net, [cands[p - 1] for p in positions], example_input=torch.zeros(1, 3, size, size),
+                        pool_size=2).eval()
+
+
+def test_vgg_steps_read_the_features_after_their_conv_layer():
+    model = small_vgg()
+    net = model.backbone
+    assert model.after == ["features.0", "features.1", "features.3"] and model.num_steps == 4
     x = torch.randn(3, 3, 12, 12)
-    r = unroll(net, x, keep_outputs=True)
-    assert [tuple(o.shape) for o in r.step_outputs] == [(3, 7)] * 4
-    torch.testing.assert_close(r.outputs, net(x))  # the last step is the network alone
-    # each IC reads the features after its conv layer
     with torch.no_grad():
-        h, feats = x, []
-        for layer in net.convs:
+        r = unroll(model, x, keep_outputs=True)
+        feats, h = [], x
+        for layer in net.features:
             h = layer(h)
             feats.append(h)
-    for t, p in enumerate(net.ic_positions):
-        torch.testing.assert_close(r.step_outputs[t], net.heads[t](feats[p - 1]))
-    assert not torch.allclose(r.step_outputs[0], r.step_outputs[1])
+    assert [tuple(o.shape) for o in r.step_outputs] == [(3, 7)] * 4
+    for t, p in enumerate((1, 2, 4)):
+        torch.testing.assert_close(r.step_outputs[t], model.heads[t](feats[p - 1]))
+    torch.testing.assert_close(r.outputs, net(x))  # the last step is the network alone
 
 
-def test_ic_head_mixes_max_and_avg_pooling_and_skips_small_maps():
-    head = ICHead(channels=3, in_size=8, num_classes=5, pool_size=4)
+def test_resnet_exits_sit_between_blocks_and_the_last_step_is_the_network():
+    torch.manual_seed(0)
+    net = randomise_bn(ResNet((2, 1), (4, 6), (1, 2), num_classes=5)).eval()
+    assert net.exit_candidates() == ["layer1.0", "layer1.1"]  # never after the last block
+    model = attach_exits(net, ["layer1.1", "layer1.0"], example_input=torch.zeros(1, 3, 10, 10)).eval()
+    x = torch.randn(2, 3, 10, 10)
     with torch.no_grad():
-        head.alpha.fill_(0.7)
-    x = torch.randn(2, 3, 8, 8)
-    a = torch.sigmoid(torch.tensor(0.7))
-    mixed = a * nn.functional.max_pool2d(x, 2) + (1 - a) * nn.functional.avg_pool2d(x, 2)
-    torch.testing.assert_close(head(x), head.linear(mixed.flatten(1)))
-    small = ICHead(channels=3, in_size=4, num_classes=5, pool_size=4)
-    assert small.alpha is None and small.linear.in_features == 3 * 16
-    x = torch.randn(2, 3, 4, 4)
-    torch.testing.assert_close(small(x), small.linear(x.flatten(1)))
+        r = unroll(model, x, keep_outputs=True)
+        a = net.layer1[0](net.stem(x))
+        b = net.layer1[1](a)
+        torch.testing.assert_close(r.step_outputs[0], model.heads[0](a))
+        torch.testing.assert_close(r.step_outputs[1], model.heads[1](b))
+        torch.testing.assert_close(r.outputs, net(x))
 
 
-def test_step_flops_add_up_to_the_full_network():
-    for net in (small_net(), build_vgg("vgg6-narrow", 10, 32)):
-        table = flop_table(net)
-        full = full_network_flops(net)
-        assert sum(table.backbone) + table.heads[-1] == full  # backbone parts + final classifier
-        assert exit_flops(net)[-1] == full + sum(table.heads[:-1])  # ... + every IC passed
-        assert step_flops(net) == [b + h for b, h in zip(table.backbone, table.heads)]
-        assert all(a < b for a, b in zip(exit_flops(net), exit_flops(net)[1:]))
-    # a conv layer counts 2 * 9 * C_in * C_out * H * W (multiply-adds count 2)
-    net = VGGEarlyExit([4], num_classes=3, input_size=5, ic_positions=(), fc_width=2)
+def test_flops_add_up_to_the_network_and_count_two_per_multiply_add():
+    for model in (small_vgg(), build_network("vgg6-narrow", 10, 32), build_network("resnet20", 10, 32)):
+        f = model.flops
+        assert sum(f.backbone) == model.network_flops  # the segments are the network, once
+        assert model.exit_costs[-1] == model.network_flops + sum(f.heads[:-1])  # ... plus every exit passed
+        assert all(a < b for a, b in zip(model.exit_costs, model.exit_costs[1:]))
+    net = VGG([4], num_classes=3, input_size=5, fc_width=2)
     fc = 2 * (4 * 25 * 2 + 2 * 2 + 2 * 3)
-    assert full_network_flops(net) == 2 * 9 * 3 * 4 * 25 + fc
+    model = attach_exits(nn.Sequential(net.features[0], nn.Conv2d(4, 4, 1, bias=False), net.classifier), ["0"],
+                         example_input=torch.zeros(1, 3, 5, 5))
+    assert model.flops.backbone == (2 * 9 * 3 * 4 * 25, 2 * 4 * 4 * 25 + fc)
 
 
 def test_flop_counting_leaves_the_model_as_it_was():
-    net = small_net().train()
-    bn = next(m for m in net.modules() if isinstance(m, nn.BatchNorm2d))
+    torch.manual_seed(0)
+    net = VGG([4, "M", 6, 6], num_classes=3, input_size=8, fc_width=4).train()
+    bn = net.features[0][1]
     before = bn.running_mean.clone()
-    flop_table(net), full_network_flops(net)
-    assert net.training and net.conv_rows == 0
+    model = attach_exits(net, ["features.0"], example_input=torch.randn(2, 3, 8, 8))
+    assert net.training and model.heads.training and model.rows_computed == 0
     torch.testing.assert_close(bn.running_mean, before)
 
 
-def test_default_ic_positions_follow_sdn():
-    net = build_vgg("vgg16", num_classes=10, input_size=32)
-    assert net.ic_positions == (2, 4, 6, 7, 9, 10)  # SDN's add_ic for VGG16-BN
-    table = flop_table(net)
-    full = full_network_flops(net)
-    cum = torch.tensor(table.backbone[:-1]).cumsum(0).double() / full
-    assert torch.allclose(cum, torch.tensor(SDN_FRACTIONS, dtype=torch.float64), atol=0.04), cum
-    assert build_vgg("vgg6-narrow", 10).ic_positions == (1, 2, 3, 4, 5)  # the quick preset's explicit ICs
+def test_default_exits_follow_sdn():
+    vgg = build_network("vgg16", num_classes=10, input_size=32)
+    assert vgg.after == [f"features.{p - 1}" for p in (2, 4, 6, 7, 9, 10)]  # SDN's add_ic for VGG16-BN
+    assert build_network("vgg6-narrow", 10).after == [f"features.{i}" for i in range(5)]  # the quick preset's own
+    r20 = build_network("resnet20", num_classes=10)
+    assert r20.after == ["layer1.0", "layer1.2", "layer2.0", "layer2.1", "layer3.0", "layer3.1"]
+    r56 = build_network("resnet56", num_classes=10)
+    cum = torch.tensor(r56.flops.backbone[:-1]).cumsum(0).double() / r56.network_flops
+    assert torch.allclose(cum, torch.tensor(SDN_FRACTIONS, dtype=torch.float64), atol=0.03), cum
 
 
-def test_early_exit_matches_the_full_run_and_skips_conv_layers():
-    net = small_net()
+def test_early_exit_matches_the_full_run_and_skips_rows():
+    model = small_vgg()
     x = torch.randn(9, 3, 12, 12)
     stops = torch.tensor([1, 4, 2, 3, 1, 4, 2, 1, 3])
     with torch.no_grad():
-        full = unroll(net, x, keep_outputs=True)
-        net.conv_rows = 0
-        early = run_with_early_exit(net, x, StopAtTimes(stops))
+        full = unroll(model, x, keep_outputs=True)
+        model.rows_computed = 0
+        early = run_with_early_exit(model, x, StopAtTimes(stops))
     expected = torch.stack([full.step_outputs[int(t) - 1][i] for i, t in enumerate(stops)])
     torch.testing.assert_close(early.outputs, expected)
     assert torch.equal(early.stop_times, stops)
-    assert net.conv_rows == sum(net.convs_at(int(t)) for t in stops) < 9 * net.num_convs
+    assert model.rows_computed == int(stops.sum()) < 9 * model.num_steps
 
 
 @pytest.mark.parametrize("bad, match", [
-    (torch.randn(2, 1, 12, 12), r"\(B, 3, 12, 12\); got \(2, 1, 12, 12\)"),
+    (torch.randn(2, 1, 12, 12), r"\(B, 3, 12, 12\) like its example_input; got \(2, 1, 12, 12\)"),
     (torch.randn(2, 3, 16, 16), r"got \(2, 3, 16, 16\)"),
     (torch.randn(3, 12, 12), r"got \(3, 12, 12\)"),
-    (torch.zeros(2, 3, 12, 12, dtype=torch.uint8), "float images"),
+    (torch.zeros(2, 3, 12, 12, dtype=torch.uint8), "torch.float32 inputs"),
 ])
 def test_bad_inputs_are_clear_errors(bad, match):
-    net = small_net()
+    model = small_vgg()
     with pytest.raises(ValueError, match=match):
-        net(bad)
-    with pytest.raises(ValueError, match=match):
-        run_with_early_exit(net, bad, StopAtTimes(torch.ones(bad.shape[0], dtype=torch.long)))
+        model.initial_state(bad)
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(ic_positions=(0,)), "ic_positions"), (dict(ic_positions=(5,)), "ic_positions"),
-    (dict(ic_positions=(3, 2)), "ic_positions"), (dict(widths=["M", 4]), "'M' must follow"),
-    (dict(widths=[4, "X"]), "positive ints"), (dict(input_size=2), "too small"), (dict(dropout=1.0), "dropout"),
+    (dict(exits=(0,)), "exit positions"), (dict(exits=(6,)), "exit positions"),
+    (dict(exits=(3, 2)), "exit positions"), (dict(dropout=1.0), "dropout"), (dict(input_size=4), "too small"),
 ])
-def test_bad_constructor_arguments(kw, match):
-    args = dict(widths=[4, "M", 6, "M", 8, 8, 8], num_classes=3, input_size=12, fc_width=4) | kw
+def test_bad_network_arguments(kw, match):
+    args = dict(arch="vgg6-narrow", num_classes=3, input_size=16) | kw
     with pytest.raises(ValueError, match=match):
-        VGGEarlyExit(**args)
+        build_network(**args)
+    with pytest.raises(ValueError, match="'M' must follow"):
+        VGG(["M", 4], 3)
+    with pytest.raises(KeyError, match="resnet20"):
+        build_network("resnet99", 5)
 
 
-def test_ic_and_classifier_losses_reach_every_head():
-    net = small_net().train()
+def test_exit_and_classifier_losses_reach_every_parameter():
+    model = small_vgg().train()
     x, y = torch.randn(4, 3, 12, 12), torch.tensor([0, 1, 2, 3])
-    r = unroll(net, x, target=y, loss_fn=lambda out, t: nn.functional.cross_entropy(out, t, reduction="none"))
+    r = unroll(model, x, target=y, loss_fn=lambda out, t: nn.functional.cross_entropy(out, t, reduction="none"))
     r.losses.sum().backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in net.parameters())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
 
 
-@pytest.mark.parametrize("size", [32, 64])
-def test_vgg16_builds_and_runs_a_tiny_batch(size):
-    net = build_vgg("vgg16", num_classes=10, input_size=size).eval()
-    assert net.num_convs == 13 and net.num_steps == 7
+@pytest.mark.parametrize("name", list_archs())
+def test_every_architecture_builds_and_runs_a_tiny_batch(name):
+    size = 64 if name == "resnet18" else 32
+    kw = {"width": 8} if name == "resnet18" else {"fc_width": 8} if name.startswith("vgg") else {}
+    model = build_network(name, num_classes=5, input_size=size, **kw).eval()
+    assert model.num_steps == len(model.after) + 1 >= 6
     x = torch.randn(2, 3, size, size)
     with torch.no_grad():
-        out = net(x)
-        r = unroll(net, x, keep_outputs=True)
-    assert out.shape == (2, 10) and all(o.shape == (2, 10) for o in r.step_outputs)
-    torch.testing.assert_close(r.outputs, out)
-
-
-@pytest.mark.parametrize("name", list_vgg_configs())
-def test_every_registered_config_builds(name):
-    net = build_vgg(name, num_classes=5, input_size=32, fc_width=8).eval()
-    with torch.no_grad():
-        assert unroll(net, torch.randn(1, 3, 32, 32)).outputs.shape == (1, 5)
-    with pytest.raises(KeyError, match="vgg16"):
-        build_vgg("resnet", 5)
+        r = unroll(model, x, keep_outputs=True)
+        torch.testing.assert_close(r.outputs, model(x))
+    assert all(o.shape == (2, 5) for o in r.step_outputs)

@@ -23,6 +23,7 @@ first t segments and the heads it passed, never the rest.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -289,6 +290,15 @@ class ExitNetwork(nn.Module):
         """The network alone (no exit head): (B, num_classes)."""
         return self.backbone(x)
 
+    def __deepcopy__(self, memo: dict) -> "ExitNetwork":
+        """A copy with its own weights; the segments (which nodes to run, not weights) are shared."""
+        memo[id(self._segments)] = self._segments
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            new.__dict__[k] = copy.deepcopy(v, memo)
+        return new
+
     def extra_repr(self) -> str:
         return f"exits after {self.after}, {self.num_classes} classes, {self.network_flops / 1e6:.2f} MFLOPs"
 
@@ -361,7 +371,7 @@ def attach_exits(backbone: nn.Module | None = None, after: Sequence[str] | None 
             if num_classes is not None and out.shape[1] != num_classes:
                 raise ValueError(f"num_classes is {num_classes} but {net} outputs {out.shape[1]} classes")
             num_classes = int(out.shape[1])
-            shapes, seg_flops, state = [], [], x
+            cut_states, seg_flops, state = [], [], x
             for k, seg in enumerate(segments):
                 state, f = count_flops(lambda: seg(backbone, state))
                 seg_flops.append(f)
@@ -370,16 +380,13 @@ def attach_exits(backbone: nn.Module | None = None, after: Sequence[str] | None 
                         got = tuple(state.shape) if isinstance(state, Tensor) else type(state).__name__
                         raise ValueError(f"after: the output of {after[k]!r} is {got}; an exit head reads "
                                          f"(B, C, H, W) feature maps or (B, D) features")
-                    shapes.append(tuple(state.shape[1:]))
+                    cut_states.append(state)
             p = next(backbone.parameters(), None)
             kw = {"device": p.device, "dtype": p.dtype} if p is not None else {}
-            heads = nn.ModuleList(ExitHead(s, num_classes, pool_size).to(**kw) for s in shapes)
+            heads = nn.ModuleList(ExitHead(s.shape[1:], num_classes, pool_size).to(**kw) for s in cut_states)
             model = ExitNetwork(backbone, segments, after, heads, tuple(example_input.shape[1:]), example_input.dtype,
                                 num_classes)
-            head_flops, state = [], x
-            for k, seg in enumerate(segments[:-1]):
-                state = seg(backbone, state)
-                head_flops.append(count_flops(lambda: heads[k](state))[1])
+            head_flops = [count_flops(lambda: head(s.to(**kw)))[1] for head, s in zip(heads, cut_states)]
     finally:
         restore()
     heads.train(backbone.training)
