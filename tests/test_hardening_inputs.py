@@ -258,3 +258,26 @@ def test_a_one_class_dataset_is_refused(tmp_path):
              test_labels=np.zeros(2, np.int64))
     with pytest.raises(ImageDataError, match=r"the training images hold 1 class\(es\) \(airplane\); a classifier needs"):
         load_dataset("cifar_subset_npz", tmp_path)
+
+
+def test_the_price_rule_needs_a_planning_policy():
+    from learn2stop.core.pipeline import check_policy_rule
+
+    sm = StoppingModel(ToyStepModel(), ToyPolicy())
+    with pytest.raises(ConfigError, match=r"--rule: the 'price' rule reads a planned q_phi, and this run's policy does not"):
+        check_policy_rule("price", sm, "--rule")
+    check_policy_rule("quantile", sm, "--rule")  # every policy has the per-step rules
+
+
+def test_an_output_path_that_is_a_folder_or_under_a_file_is_named(tmp_path):
+    from learn2stop.tasks.denoise.data import ImageDataError, save_image
+    from learn2stop.utils.report import write_json
+
+    (tmp_path / "file.png").write_bytes(b"x")
+    with pytest.raises(IsADirectoryError, match=r"cannot write .* it is a folder; give a file name"):
+        write_json({"a": 1}, tmp_path)
+    with pytest.raises(NotADirectoryError, match=r"cannot write .*file\.png/out\.json: .*file\.png is a file, not a folder"):
+        write_json({"a": 1}, tmp_path / "file.png" / "out.json")
+    with pytest.raises(ImageDataError, match=r"cannot save .*file\.png/a\.png: .*file\.png is a file, not a folder"):
+        save_image(np.zeros((4, 4)), tmp_path / "file.png" / "a.png")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.png"]

@@ -230,6 +230,13 @@ def check_rule(app: StoppingApp, cfg: Any, rule: Any, field: str, task: str = ""
     raise ConfigError(f"{field}: {rule!r} is not a stop rule; {listing}")
 
 
+def check_policy_rule(rule: str, sm: StoppingModel, field: str) -> None:
+    """A policy rule the trained stop model's policy supports (the price rule needs a planning policy)."""
+    if rule in POLICY_RULES and sm.policy is not None and rule not in policy_rules(sm.policy):
+        raise ConfigError(f"{field}: the {rule!r} rule reads a planned q_phi, and this run's policy does not plan "
+                          f"(it has no plan_step); rules of this policy: {', '.join(policy_rules(sm.policy))}")
+
+
 def check_config(cfg: Any, where: str = "cfg") -> None:
     """A task's config dataclass instance (from its ``preset()`` or ``resolve``), not a dict or a class."""
     if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
@@ -272,6 +279,7 @@ def calibrate_command(app: StoppingApp, cfg: Any, run, *, budget: float | None =
     sm = load_stage(app, cfg, run.run_dir, app.stop_stage, run.device)
     if SIGNALS[rule].needs_policy and sm.policy is None:
         raise ConfigError(f"--rule: the {rule!r} rule needs a policy; stage {app.stop_stage!r} has none")
+    check_policy_rule(rule, sm, "--rule")
     val = stop_model_trace(app, cfg, sm, "val", run.device)
     test = stop_model_trace(app, cfg, sm, "test", run.device)
     signal = SIGNALS[rule](sm.policy) if SIGNALS[rule].needs_policy else app.classical_signals(cfg)[rule]()
@@ -369,6 +377,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5,
         network(f"{prefix}_", collect_trace(other.model, app.eval_batches(cfg, "test", dev), metric, dev,
                                             signals=app.classical_signals(cfg), extras=app.trace_extras(cfg)), other.model)
     if sm.policy is not None:
+        check_policy_rule(app.inference(cfg).rule, sm, "inference.rule")
         main = app.inference(cfg).rule if app.inference(cfg).rule in POLICY_RULES else "quantile"
         for rule in (main, *(r for r in policy_rules(sm.policy) if r != main)):
             name = "policy" if rule == main else f"policy_{rule}"
@@ -433,4 +442,7 @@ def deployed_rule(app: StoppingApp, cfg: Any, run_dir, sm: StoppingModel, genera
     cal = load_calibration(run_dir) if run_dir is not None and inference.use_calibrated and not inference.sampled else None
     if cal is not None:
         check_rule(app, cfg, cal.rule, f"{Path(run_dir) / 'calibration.json'}: rule")
+        check_policy_rule(cal.rule, sm, f"{Path(run_dir) / 'calibration.json'}: rule")
+    elif not inference.sampled:
+        check_policy_rule(inference.rule, sm, "inference.rule")
     return active_rule(app.inference(cfg), run_dir, sm.policy, generator=generator)

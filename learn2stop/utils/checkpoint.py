@@ -45,6 +45,11 @@ def atomic_write(path: str | os.PathLike, write, public: bool = False) -> Path:
     file the usual 0666-less-umask permissions instead of ``mkstemp``'s private 0600.
     """
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"cannot write {path}: it is a folder; give a file name")
+    blocker = next((p for p in [path.parent, *path.parent.parents] if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise NotADirectoryError(f"cannot write {path}: {blocker} is a file, not a folder")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

@@ -85,6 +85,11 @@ def save_image(img: np.ndarray | Tensor, path: str | Path) -> None:
     if not np.isfinite(arr).all():
         raise ImageDataError(f"cannot save {path}: the image holds NaN or infinite values")
     arr = np.clip(arr, 0, 1)
+    if Path(path).is_dir():
+        raise ImageDataError(f"cannot save {path}: it is a folder")
+    blocker = next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ImageDataError(f"cannot save {path}: {blocker} is a file, not a folder")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray((arr * 255.0 + 0.5).astype(np.uint8), mode="L").save(path)
 
