@@ -153,3 +153,42 @@ def test_price_rule_is_argmax_of_repriced_plan_online_and_offline():
         assert (online.stop_times == expected).all()
         depths.add(float(expected.float().mean()))
     assert len(depths) > 2  # the price moves the depth: one policy, many budgets
+
+
+def test_price_zero_is_the_map_stop_time_of_the_plan():
+    """Fed one price the price-conditioned rule is the single-price plan's own choice: price 0 stops at
+    q_phi's most likely step (the MAP target of Stage II)."""
+    from learn2stop.core.rules import PriceSignal
+
+    torch.manual_seed(4)
+    logits = stop_logits_from_distribution(torch.log_softmax(3 * torch.randn(200, 9), dim=1))
+    times = first_crossing(PriceSignal.scores(logits), PriceSignal.from_param(0.0))
+    assert (times == log_stop_time_distribution(logits).argmax(dim=1) + 1).all()
+
+
+def test_stage2_fits_a_planning_policy_to_the_oracle(tmp_path):
+    """Stage II trains a planner on the schedule it is used on (one call at its plan step) and brings
+    its q_phi towards the oracle: the forward KL on validation falls."""
+    from conftest import ToyTask
+    from learn2stop.core import StageConfig, StagedTrainer, log_oracle_distribution
+
+    torch.manual_seed(5)
+    T = 4
+    model, planner = ToyStepModel(num_steps=T), Planner(T, plan_step=1)
+    sm, task = StoppingModel(model, planner), ToyTask()
+    StagedTrainer(sm, task, tmp_path, progress=False).fit(
+        "stage1", StageConfig(objective="stage1", iterations=120, batch_size=32, lr=1e-2, beta=0.1, eval_every=60))
+
+    def kl() -> float:
+        (y, x), = task.validation_batches("cpu")
+        with torch.no_grad():
+            r = sm.unroll(y, x, task.loss_fn)
+        log_p = log_oracle_distribution(r.losses, 0.1)
+        return float((log_p.exp() * (log_p - log_stop_time_distribution(r.stop_logits))).sum(1).mean())
+
+    before = kl()
+    planner.calls = 0
+    StagedTrainer(sm, task, tmp_path, progress=False).fit(
+        "stage2", StageConfig(objective="stage2", iterations=80, batch_size=32, lr=3e-2, beta=0.1, eval_every=40))
+    assert planner.calls >= 80  # one call per training rollout (and per validation batch), never per step
+    assert kl() < 0.7 * before

@@ -74,9 +74,13 @@ class _PolicyBased(StopSignal):
         self.first_step = self.plan_step if self.plan_step is not None else int(getattr(policy, "min_step", 1))
 
     def plan_scores(self, view: StepView) -> Tensor:
-        """The (B, T-1) scores of every step at once, from a planning policy's one call."""
-        return self.scores(planned_logits(self.policy, view.inputs, view.output, view.t, view.index.numel(),
-                                          view.num_steps))
+        """The (B, T-1) scores of every step at once, from a planning policy's one call; -inf before the
+        plan step (it is past: no threshold may stop there, offline or online)."""
+        scores = self.scores(planned_logits(self.policy, view.inputs, view.output, view.t, view.index.numel(),
+                                            view.num_steps))
+        if view.t > 1:
+            scores[:, :view.t - 1] = -math.inf
+        return scores
 
     @staticmethod
     def scores(stop_logits: Tensor) -> Tensor:
