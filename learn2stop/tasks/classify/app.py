@@ -1,6 +1,7 @@
-"""Early-exit image recognition (paper Sec. 5.4, Table 7): VGG-BN with internal classifiers.
+"""Early-exit image recognition (paper Sec. 5.4, Table 7): VGG-BN and ResNets with internal classifiers (--model.arch).
 
-    learn2stop classify reproduce --preset quick        # CIFAR-10 subset of ../shared/data, ~15 min on 2 cores
+    learn2stop classify reproduce --preset quick        # CIFAR-10 subset of ../shared/data, vgg6-narrow
+    learn2stop classify reproduce --preset quick --model.arch resnet20 --run-dir runs/classify-quick-resnet20
     learn2stop classify frontier --run-dir runs/classify-quick
     learn2stop classify predict --run-dir runs/classify-quick --predict.input photo.png
 
@@ -406,7 +407,7 @@ def reproduce(cfg: ClassifyConfig, run) -> dict:
 
 SPEC = register_task(TaskSpec(
     name="classify",
-    description="Early-exit image recognition: VGG with internal classifiers, SDN vs Stage I + policy (Sec. 5.4, Table 7)",
+    description="Early-exit image recognition: VGG and ResNets with internal classifiers, SDN vs Stage I + policy (Sec. 5.4, Table 7)",
     config_class=ClassifyConfig,
     presets=PRESETS,
     commands={"train": train, "evaluate": evaluate, "reproduce": reproduce, "predict": predict},
