@@ -147,8 +147,9 @@ def test_missing_or_unfit_data_is_a_clear_error(tmp_path, capsys):
     assert main(["maml", "evaluate", "--preset", "quick", "--run-dir", str(tmp_path / "empty")] + TINY) == 2
     assert "run the 'train' command first" in capsys.readouterr().err
     assert main(["maml", "evaluate", "--preset", "paper", "--data.path", str(tmp_path / "nowhere"),
-                 "--run-dir", str(tmp_path / "r")] + TINY) == 2  # the failed run left no checkpoint
-    assert "checkpoint not found" in capsys.readouterr().err
+                 "--run-dir", str(tmp_path / "r")] + TINY) == 2  # the refused train left no folder at all
+    assert "does not exist; run the 'train' command first" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "r2").exists()
 
 
 def test_paper_preset_checks_real_omniglot(tmp_path, capsys):
