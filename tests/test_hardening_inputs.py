@@ -205,11 +205,15 @@ def test_fit_and_train_refuse_a_dict_for_their_config(tmp_path):
     for bad in ({"objective": "stage1"}, None):
         with pytest.raises(TypeError, match="the stage config must be a StageConfig"):
             trainer.fit("stage1", bad)
+    from learn2stop.tasks.classify import app as classify_app
+    from learn2stop.tasks.denoise import app as denoise_app
+    from learn2stop.tasks.maml import app as maml_app
     from learn2stop.tasks.sparse import app as sparse_app
 
-    with pytest.raises(TypeError, match="cfg: expected the task's config dataclass"):
-        sparse_app.train({"seed": 0}, tmp_path / "sparse")
-    assert not (tmp_path / "sparse").exists()
+    for app in (sparse_app, maml_app, classify_app, denoise_app):
+        with pytest.raises(TypeError, match="cfg: expected the task's config dataclass"):
+            app.train({"seed": 0}, tmp_path / "run-of-a-dict")
+    assert not (tmp_path / "run-of-a-dict").exists()
 
 
 def test_a_resume_that_cannot_write_keeps_metrics(tmp_path, monkeypatch):

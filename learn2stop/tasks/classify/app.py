@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, derive_seed
 from ...core.evaluation import collect_trace, evaluate_rule
-from ...core.pipeline import Stage, StoppingApp, deployed_rule, load_stage, stop_model_trace
+from ...core.pipeline import Stage, StoppingApp, check_config, deployed_rule, load_stage, stop_model_trace
 from ...core.rules import SIGNALS, ConfidenceSignal, EntropySignal, PatienceSignal, first_crossing
 from ...core.calibration import calibrate_budget
 from ...utils.config import ConfigError, int_at_least, one_of, require
@@ -301,6 +301,7 @@ APP = ClassifyApp()
 
 # ----------------------------------------------------------------------------- commands
 def train(cfg: ClassifyConfig, run) -> dict:
+    check_config(cfg)  # a dict or a class: one clear TypeError, not an AttributeError deep in the loader
     imgs = APP.images(cfg)
     return train_pipeline(APP, cfg, run, f"classify: {len(imgs.train)} train / {len(imgs.val)} validation / "
                           f"{len(imgs.test)} test images, {len(imgs.classes)} classes, {cfg.data.size}x{cfg.data.size}")

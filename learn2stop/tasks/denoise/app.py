@@ -22,7 +22,7 @@ import torch
 
 from ...core import FixedDepth, Metric, StoppingModel, derive_seed, run_with_early_exit
 from ...core.evaluation import collect_trace, evaluate_rule
-from ...core.pipeline import Stage, StoppingApp, deploy_calibration, deployed_rule, load_stage, oracle_min_step
+from ...core.pipeline import Stage, StoppingApp, check_config, deploy_calibration, deployed_rule, load_stage, oracle_min_step
 from ...core.rules import ToleranceSignal
 from ...utils.config import ConfigError, to_dict
 from ...utils.report import write_json
@@ -130,6 +130,7 @@ APP = DenoiseApp()
 # ----------------------------------------------------------------------------- commands
 def train(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
     """DnCNN baseline, exits warm-up, Stage I and Stage II (and optional Stage III) for DnCNN-stop; resumable."""
+    check_config(cfg)  # a dict or a class: one clear TypeError, not an AttributeError in the data
     return train_pipeline(APP, cfg, run, f"denoise: {len(APP.task(cfg).bank)} distinct {cfg.data.patch_size}x"
                           f"{cfg.data.patch_size} training patches (x8 symmetries); "
                           f"{len(APP.eval_set(cfg, 'val')) // len(cfg.eval.sigmas)} validation images")
