@@ -211,8 +211,9 @@ def test_fit_and_train_refuse_a_dict_for_their_config(tmp_path):
     from learn2stop.tasks.sparse import app as sparse_app
 
     for app in (sparse_app, maml_app, classify_app, denoise_app):
-        with pytest.raises(TypeError, match="cfg: expected the task's config dataclass"):
-            app.train({"seed": 0}, tmp_path / "run-of-a-dict")
+        for command in (app.train, app.evaluate):
+            with pytest.raises(TypeError, match="cfg: expected the task's config dataclass"):
+                command({"seed": 0}, tmp_path / "run-of-a-dict")
     assert not (tmp_path / "run-of-a-dict").exists()
 
 

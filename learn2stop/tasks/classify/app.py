@@ -310,6 +310,7 @@ def train(cfg: ClassifyConfig, run) -> dict:
 @torch.no_grad()
 def evaluate(cfg: ClassifyConfig, run) -> dict:
     """Table 7: every training's accuracy per exit, oracle exit, and the rules at equal FLOPs."""
+    check_config(cfg)
     run = as_run(run)
     dev, metric = run.device, APP.metric(cfg)
     test = APP.eval_batches(cfg, "test", dev)

@@ -138,6 +138,7 @@ def train(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
 
 def evaluate(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
     """PSNR per image and sigma of DnCNN, DnCNN-stop (real early exit, deployed rule) and BM3D: Table 6."""
+    check_config(cfg)
     run = as_run(run)
     dev, metric, items = run.device, APP.metric(cfg), APP.eval_set(cfg, "test")
     batches = APP.eval_batches(cfg, "test", dev)

@@ -19,7 +19,7 @@ import torch
 from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, ToleranceSignal
 from ...core.evaluation import collect_trace, evaluate_rule
 from ...core.loop import FixedDepth
-from ...core.pipeline import Stage, StoppingApp, deploy_calibration, deployed_rule, load_stage
+from ...core.pipeline import Stage, StoppingApp, check_config, deploy_calibration, deployed_rule, load_stage
 from ...core.trainer import derive_seed
 from ...utils.config import from_dict, ints_at_least, merge, require, to_dict
 from ...utils.report import write_json
@@ -201,6 +201,7 @@ def evaluate(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
 
     MAML-stop really stops with the deployed rule (the run's calibration if any, else ``inference``).
     """
+    check_config(cfg)
     run = as_run(run)
     dev, metric, T = run.device, APP.metric(cfg), cfg.model.inner_steps
     base = load_stage(APP, cfg, run.run_dir, "baseline", dev)

@@ -19,8 +19,8 @@ import torch
 from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, stop_time_distribution
 from ...core.evaluation import collect_trace, evaluate_rule
 from ...core.loop import unroll
-from ...core.pipeline import (Stage, StoppingApp, deploy_calibration, deployed_rule, load_stage, oracle_min_step,
-                              stop_model_trace)
+from ...core.pipeline import (Stage, StoppingApp, check_config, deploy_calibration, deployed_rule, load_stage,
+                              oracle_min_step, stop_model_trace)
 from ...core.rules import ToleranceSignal
 from ...utils.config import from_dict, merge, non_empty, one_of, positive, positive_int, require, to_dict
 from ...utils.report import markdown_table, write_json
@@ -376,6 +376,7 @@ def evaluate(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
     The stop models run real early exit with the deployed rule (the run's calibration if any,
     else ``inference``).
     """
+    check_config(cfg)
     run = as_run(run)
     dev, task, metric = run.device, APP.task(cfg), APP.metric(cfg)
     test, batches, T = APP.task(cfg).test, APP.eval_batches(cfg, "test", dev), cfg.lista.num_steps
