@@ -192,3 +192,17 @@ def test_stage2_fits_a_planning_policy_to_the_oracle(tmp_path):
         "stage2", StageConfig(objective="stage2", iterations=80, batch_size=32, lr=3e-2, beta=0.1, eval_every=40))
     assert planner.calls >= 80  # one call per training rollout (and per validation batch), never per step
     assert kl() < 0.7 * before
+
+
+def test_budget_calibration_never_stops_where_the_rule_is_not_asked():
+    from learn2stop.core import calibrate_budget
+    from learn2stop.utils.config import ConfigError
+
+    torch.manual_seed(6)
+    scores = torch.rand(100, 7).cumsum(dim=1)
+    scores[:, :2] = -math.inf  # asked from step 3 (a plan step, or a tolerance test's step 2)
+    costs = torch.arange(1, 9) / 8
+    with pytest.raises(ConfigError, match="below the least this quantile rule can spend"):
+        calibrate_budget(scores, costs, 0.3, "quantile")
+    cal = calibrate_budget(scores, costs, 0.5, "quantile")
+    assert (first_crossing(scores, cal.threshold) >= 3).all() and cal.calibration["mean_cost"] <= 0.5

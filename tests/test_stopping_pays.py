@@ -243,6 +243,9 @@ def test_frontier_and_calibrate_run_end_to_end_on_tiny_sparse(tmp_path, capsys):
     fr = json.loads((run / "frontier.json").read_text())
     assert fr["metric"] == "NMSE (dB)" and fr["lower_is_better"] is True and fr["num_steps"] == 5
     assert {"fixed_depth", "baseline_fixed_depth", "tolerance", "policy", "oracle"} <= set(fr["curves"])
+    assert fr["speed_reference"]["name"] == "baseline at full depth"  # the frontier in time
+    assert set(fr["speed_at_quality"]) >= {"fixed_depth", "policy"}
+    assert (run / "frontier_time.png").is_file() and "## In time" in (run / "frontier.md").read_text()
     for name in ("fixed_depth", "baseline_fixed_depth", "tolerance", "policy"):
         for p in fr["curves"][name]:
             assert {"mean_steps", "metric", "samples_per_s_batch1", "samples_per_s_batchN"} <= set(p)
@@ -254,7 +257,7 @@ def test_frontier_and_calibrate_run_end_to_end_on_tiny_sparse(tmp_path, capsys):
     assert (run / "frontier.png").is_file() and "| policy |" in (run / "frontier.md").read_text()
     # evaluate now uses the calibrated rule
     assert main(["sparse", "evaluate", "--run-dir", str(run), "--no-progress", *TINY]) == 0
-    assert "calibrated quantile rule" in capsys.readouterr().out
+    assert "calibrated price rule" in capsys.readouterr().out  # the quick preset's rule (inference.rule)
     # the run directory belongs to one configuration: another problem is refused by every command
     for cmd in ("evaluate", "frontier", "calibrate", "train"):
         extra = ["--budget", "0.5"] if cmd == "calibrate" else []

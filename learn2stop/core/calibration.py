@@ -194,6 +194,7 @@ class Calibration:
 def _candidates(scores: Tensor, max_candidates: int | None = None) -> Tensor:
     """Distinct thresholds worth trying, ascending: the running maxima (and +inf = full depth)."""
     vals = scores.float().cummax(dim=1).values.flatten().unique()
+    vals = vals[vals > -math.inf]  # -inf marks steps where the rule is not asked: no threshold may stop there
     if max_candidates and vals.numel() > max_candidates:
         q = torch.linspace(0, 1, max_candidates, dtype=torch.float64)
         vals = torch.quantile(vals.double(), q).float().unique()
@@ -248,6 +249,9 @@ def calibrate_budget(scores: Tensor, costs: Tensor, budget: float, signal_name: 
     cand = _candidates(scores)
     cost = mean_cost_curve(scores, costs, cand)
     ok = (cost <= budget + 1e-9).nonzero().flatten()
+    if ok.numel() == 0:
+        raise ConfigError(f"--budget: {budget} is below the least this {signal_name} rule can spend "
+                          f"({float(cost.min()):.3f} of full depth: it is not asked before its first step)")
     k = int(ok.max())
     thr = float(cand[k])
     stops = first_crossing(scores, thr)
