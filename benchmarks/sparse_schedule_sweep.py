@@ -177,9 +177,10 @@ def beta_mode(scale):
     print("total", time.time() - T0, flush=True)
 
 
-if __name__ == "__main__" and os.environ.get("MODE") == "beta":
-    beta_mode(float(os.environ.get("SCALE", 1.0)))
-elif __name__ == "__main__":
+def main() -> None:
+    if os.environ.get("MODE") == "beta":
+        beta_mode(float(os.environ.get("SCALE", 1.0)))
+        return
     scale = float(os.environ.get("SCALE", 1.0))
     N = lambda v: max(int(v * scale), 2)
     print("device", dev, torch.cuda.get_device_name() if dev == "cuda" else "", flush=True)
@@ -207,3 +208,7 @@ elif __name__ == "__main__":
     for idx in (2, 3):
         stage1_branch([p[idx:idx + 1] for p in P], f"stage1_from_{g1[idx][0]}", N(3000), 512, 5e-4, g1[idx][4], variants[:3])
     print("total", time.time() - T0)
+
+
+if __name__ == "__main__":
+    main()
