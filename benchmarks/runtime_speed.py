@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from learn2stop.core.calibration import InferenceConfig, load_calibration
-from learn2stop.core.loop import StoppingModel, run_with_early_exit, unroll
+from learn2stop.core.loop import StopAtTimes, StoppingModel, run_with_early_exit, unroll
 from learn2stop.export import export_stop_model
 from learn2stop.runtime import load
 from learn2stop.utils.report import markdown_table
@@ -108,9 +108,16 @@ def torch_rule(sm: StoppingModel, rule):
     return rule.make_rule(sm.policy)
 
 
-def variants(sm: StoppingModel, rule, runtime) -> dict:
-    """name -> (inputs tensor -> mean depth of that call)."""
+def variants(sm: StoppingModel, rule, runtime, given: dict | None = None) -> dict:
+    """name -> (inputs tensor -> mean depth of that call). ``given``: id(inputs) -> the deployed rule's stop
+    times on them, for the loop's own overhead with the decisions made (``StopAtTimes``: a plan before step 1)."""
     m, T = sm.model, sm.num_steps
+    given = given or {}
+
+    def planned(x):
+        times = given[id(x)]
+        run_with_early_exit(m, x, StopAtTimes(times))
+        return float(times.float().mean())
 
     def plain(x):
         plain_loop(m, x)
@@ -126,14 +133,16 @@ def variants(sm: StoppingModel, rule, runtime) -> dict:
     def ort(x):
         return runtime.run(x.numpy()).mean_depth
 
-    return {"plain for-t loop": plain, "unroll": full, "run_with_early_exit": early, "ONNX Runtime runner": ort}
+    ways = {"plain for-t loop": plain, "unroll": full, "run_with_early_exit": early, "ONNX Runtime runner": ort}
+    if given:
+        ways["early exit, stop times given"] = planned
+    return ways
 
 
 @torch.no_grad()
 def measure(sm: StoppingModel, rule, inputs: torch.Tensor, batches: list[int], samples: int, rounds: int,
             runtime) -> list[dict]:
     """Best-of-``rounds`` seconds per sample of every variant at every batch size, round-robin."""
-    ways = variants(sm, rule, runtime)
     work = {}
     for b in batches:
         if b == 1:
@@ -141,6 +150,8 @@ def measure(sm: StoppingModel, rule, inputs: torch.Tensor, batches: list[int], s
         else:
             reps = max(1, min(3, inputs.shape[0] // b))
             work[b] = [inputs[i * b:(i + 1) * b] for i in range(reps)] if inputs.shape[0] >= b else [inputs[:b]]
+    given = {id(x): run_with_early_exit(sm.model, x, torch_rule(sm, rule)).stop_times for b in batches for x in work[b]}
+    ways = variants(sm, rule, runtime, given)
     best = {(b, name): float("inf") for b in batches for name in ways}
     depth = {}
     for _ in range(rounds):
@@ -155,8 +166,10 @@ def measure(sm: StoppingModel, rule, inputs: torch.Tensor, batches: list[int], s
     for b in batches:
         base = best[b, "plain for-t loop"]
         for name in ways:
+            ideal = sm.num_steps / depth[b, name]  # the speed-up if only the steps computed cost time
             out.append({"batch": b, "variant": name, "ms_per_sample": 1e3 * best[b, name],
-                        "speed_vs_plain": base / best[b, name], "mean_depth": depth[b, name]})
+                        "speed_vs_plain": base / best[b, name], "mean_depth": depth[b, name],
+                        "share_of_ideal": base / best[b, name] / ideal})
     return out
 
 
@@ -205,9 +218,9 @@ def main(argv: list[str] | None = None) -> dict:
         results[task] = {"source": source, "rule": runtime.rule_spec, "rows": rows, "stop_times_agree": agree}
         print(f"\n## {task} ({source}; rule {runtime.rule_spec['name']} {runtime.rule_spec['param']}; "
               f"{args.threads} thread(s); runtime and torch stop times agree: {agree})\n")
-        print(markdown_table(["batch", "variant", "ms / sample", "speed vs plain loop", "mean depth"],
-                             [[r["batch"], r["variant"], r["ms_per_sample"], r["speed_vs_plain"], r["mean_depth"]]
-                              for r in rows], digits=3))
+        print(markdown_table(["batch", "variant", "ms / sample", "speed vs plain loop", "mean depth", "share of ideal"],
+                             [[r["batch"], r["variant"], r["ms_per_sample"], r["speed_vs_plain"], r["mean_depth"],
+                               r["share_of_ideal"]] for r in rows], digits=3))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return results
