@@ -391,7 +391,11 @@ def test_runtime_speed_benchmark_runs_on_a_tiny_config(tmp_path, capsys):
     res = bench.main(["--tiny", "--tasks", "sparse", "--json", str(tmp_path / "speed.json")])
     rows = res["sparse"]["rows"]
     assert res["sparse"]["stop_times_agree"] is True
-    assert {r["variant"] for r in rows} == {"plain for-t loop", "unroll", "run_with_early_exit", "ONNX Runtime runner"}
+    assert {r["variant"] for r in rows} == {"plain for-t loop", "unroll", "run_with_early_exit", "ONNX Runtime runner",
+                                            "early exit, stop times given"}
+    given = [r for r in rows if r["variant"] == "early exit, stop times given"]
+    early = {r["batch"]: r["mean_depth"] for r in rows if r["variant"] == "run_with_early_exit"}
+    assert all(r["mean_depth"] == early[r["batch"]] for r in given)  # the same decisions, made in advance
     assert {r["batch"] for r in rows} == {1, 4, 8} and all(r["ms_per_sample"] > 0 for r in rows)
     assert json.loads((tmp_path / "speed.json").read_text())["sparse"]["rule"]["name"] == "quantile"
     assert "ONNX Runtime runner" in capsys.readouterr().out
