@@ -206,3 +206,27 @@ def test_budget_calibration_never_stops_where_the_rule_is_not_asked():
         calibrate_budget(scores, costs, 0.3, "quantile")
     cal = calibrate_budget(scores, costs, 0.5, "quantile")
     assert (first_crossing(scores, cal.threshold) >= 3).all() and cal.calibration["mean_cost"] <= 0.5
+
+
+@pytest.mark.parametrize("every", [1, 2, 3, 10])
+def test_device_mode_matches_the_synchronising_loop(every):
+    """No host sync between compactions, same stop times and outputs (per-step rules, stateful ones included)."""
+    from conftest import ToyPolicy
+    from learn2stop.core import PatienceSignal
+
+    torch.manual_seed(7)
+    T = 6
+    model, policy = ToyStepModel(num_steps=T), ToyPolicy(num_steps=T)
+    y = torch.randn(33, 3)
+    full = unroll(model, y, keep_outputs=True)
+    tol = float(signal_trace(ToleranceSignal(), full.step_outputs, y)[:, 2].median())
+    rules = [lambda: SignalRule(ToleranceSignal(), tol), lambda: PolicyRule(policy, threshold=0.5),
+             lambda: SignalRule(PatienceSignal(), 2.0), lambda: FixedDepth(3)]
+    with torch.no_grad():
+        for make in rules:
+            sync = run_with_early_exit(model, y, make())
+            dev = run_with_early_exit(model, y, make(), compact_every=every)
+            assert (dev.stop_times == sync.stop_times).all()
+            torch.testing.assert_close(dev.outputs, sync.outputs)
+    with pytest.raises(ValueError, match="compact_every"):
+        run_with_early_exit(model, y, FixedDepth(2), compact_every=0)

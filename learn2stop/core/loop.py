@@ -105,6 +105,18 @@ def tree_zip_apply(fn: Callable[[Tensor, Tensor], Any], dst: Any, src: Any) -> N
             fn(d, s)
 
 
+def tree_zip_map(fn: Callable[[Tensor, Tensor], Tensor], a: Any, b: Any) -> Any:
+    """A tree of ``fn(x, y)`` over the paired tensor leaves of two structurally equal trees."""
+    if isinstance(a, Tensor):
+        return fn(a, b)
+    if isinstance(a, dict):
+        return {k: tree_zip_map(fn, a[k], b[k]) for k in a}
+    if isinstance(a, (list, tuple)):
+        parts = [tree_zip_map(fn, x, y) for x, y in zip(a, b)]
+        return type(a)(*parts) if hasattr(a, "_fields") else type(a)(parts)
+    return b
+
+
 def first_ask(rule: Any) -> int:
     """The first step at which the loop consults a rule: its planning step, or its ``first_step``
     (a learned policy's ``min_step``, 2 for a tolerance test), else 1."""
@@ -241,7 +253,8 @@ def unroll(
     )
 
 
-def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs: bool = False) -> Rollout:
+def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs: bool = False,
+                        compact_every: int | None = None) -> Rollout:
     """Run the model step by step and drop each sample from the batch once ``rule`` says stop.
 
     A stopped sample costs no further steps: its output is written into the result at once and the
@@ -264,9 +277,15 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
             learned policy, thresholded or sampled).
         record_probs: also return, in ``extras["stop_probs"]``, the (B, T-1) stop probabilities the
             rule reported (NaN where a sample had already stopped); needs a per-step rule with ``last_probs``.
+        compact_every: *device mode* for a per-step rule (see :func:`_run_device_mode`): no host
+            synchronisation at the steps in between; stopped rows are dropped every this many steps.
     Returns:
         A :class:`Rollout`; ``outputs`` is in input order.
     """
+    if compact_every is not None and getattr(rule, "plan_step", None) is None:
+        if record_probs:
+            raise ValueError("record_probs=True is not available in device mode (compact_every)")
+        return _run_device_mode(model, inputs, rule, compact_every)
     check_stepwise(model)
     T = model.num_steps
     B = batch_size(inputs)
@@ -367,6 +386,67 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
         previous = output
     extras = {"stop_probs": probs} if probs is not None else {}
     return Rollout(outputs=result, stop_times=stop_times, num_steps=T, extras=extras)
+
+
+def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int) -> Rollout:
+    """Early exit without a host synchronisation at every step (for accelerators, where each sync stops the
+    host from queueing kernels ahead).
+
+    Between compactions the batch keeps its shape: a stopped row's output is held (``torch.where``) and the
+    row keeps being computed (wasted work, bounded by ``compact_every`` steps). Every ``compact_every`` steps
+    the count of stopped rows is read (the one sync) and, if any, they are written to the result and dropped.
+    Fixed shapes between compactions let the step and the rule be captured (CUDA graphs, ``torch.compile``).
+    Stop times and outputs equal the synchronising loop's.
+    """
+    if isinstance(compact_every, bool) or not isinstance(compact_every, int) or compact_every < 1:
+        raise ValueError(f"compact_every must be an integer >= 1; got {compact_every!r}")
+    check_stepwise(model)
+    T = model.num_steps
+    B = batch_size(inputs)
+    first = first_ask(rule)
+    state = model.initial_state(inputs)
+    device = tree_leaves(state)[0].device if tree_leaves(state) else tree_leaves(inputs)[0].device
+    active = torch.arange(B, device=device)
+    stop_times = torch.full((B,), T, dtype=torch.long, device=device)
+    result, held, done, times = None, None, None, None  # held: (B_active, ...) outputs of stopped rows
+
+    def flush(rows: Tensor | slice, out: Any) -> None:
+        nonlocal result
+        if result is None:
+            result = tree_map(lambda x: x.new_empty((B, *x.shape[1:])) if x.dim() > 0 else x, out)
+        idx = active[rows]
+        tree_zip_apply(lambda dst, src: dst.index_copy_(0, idx, src[rows]), result, out)
+
+    previous = None
+    for t in range(1, T + 1):
+        state, output = _step(model, t, state, inputs)
+        if done is not None:  # rows already stopped keep the output of their stop step
+            output = tree_zip_map(lambda h, o: torch.where(done.view(-1, *([1] * (o.dim() - 1))), h, o), held, output)
+        if t == T:
+            flush(slice(None), output)
+            if times is not None:
+                stop_times[active] = torch.where(done, times, stop_times[active])
+            break
+        if t >= first:
+            stop = rule(StepView(t, T, inputs, output, previous, state, active))
+            if done is None:
+                done, times = torch.zeros_like(stop), torch.full_like(active, T)
+            times = torch.where(stop & ~done, torch.full_like(times, t), times)
+            done = done | stop
+            held = output
+        previous = output
+        if done is not None and t % compact_every == 0:
+            n_done = int(done.sum())  # the one host synchronisation of this stretch
+            if n_done:
+                gone, keep = done.nonzero().squeeze(1), (~done).nonzero().squeeze(1)
+                flush(gone, output)
+                stop_times[active[gone]] = times[gone]
+                if n_done == active.numel():
+                    break
+                active, state, inputs = active[keep], tree_select(state, keep), tree_select(inputs, keep)
+                output, times = tree_select(output, keep), times[keep]
+                held, previous, done = output, output, done[keep]
+    return Rollout(outputs=result, stop_times=stop_times, num_steps=T)
 
 
 def _step(model: Any, t: int, state: Any, inputs: Any) -> tuple[Any, Any]:
@@ -567,13 +647,14 @@ class StoppingModel(nn.Module):
 
     def forward(self, inputs: Any, rule: StopRule | None = None, *, inference: Any = None,
                 mode: str | None = None, threshold: float | None = None, generator: torch.Generator | None = None,
-                record_probs: bool = False) -> Rollout:
+                record_probs: bool = False, compact_every: int | None = None) -> Rollout:
         """Inference that really stops.
 
         The rule is, in order: ``rule`` (e.g. a calibrated one: ``calibration.make_rule(sm.policy)``);
         the policy with ``mode`` ("threshold" / "sample") and ``threshold`` if either is given; else
         ``inference`` (an :class:`~learn2stop.core.calibration.InferenceConfig`), by default the same
-        rule the CLI and validation use (quantile, alpha 0.5). Without a policy: full depth.
+        rule the CLI and validation use (quantile, alpha 0.5). Without a policy: full depth. ``compact_every``:
+        the device mode of :func:`run_with_early_exit` (no host synchronisation between compactions).
         """
         if rule is None:
             if self.policy is None:
@@ -586,7 +667,7 @@ class StoppingModel(nn.Module):
 
                 rule = (inference or InferenceConfig()).make_rule(self.policy, generator)
         check_inputs(inputs)
-        return run_with_early_exit(self.model, inputs, rule, record_probs=record_probs)
+        return run_with_early_exit(self.model, inputs, rule, record_probs=record_probs, compact_every=compact_every)
 
     def stop_distribution(self, inputs: Any) -> Tensor:
         """q_phi(t | x) for t = 1..T from a full rollout; shape (B, T)."""
