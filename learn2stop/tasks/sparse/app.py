@@ -431,7 +431,7 @@ def evaluate(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
                 results["depth"][other] = {"mean": r2["mean_steps"], **{f"{s:g}": float(r2["stop_times"][test.snr == s]
                                                                        .float().mean()) for s in cfg.problem.snrs}}
             trace = stop_model_trace(APP, cfg, sm, "test", dev, with_classical=False)
-            errs_main, q_main = trace.metric, stop_time_distribution(trace.signals["threshold"])  # pi_t -> q_phi
+            errs_main, q_main = trace.metric, stop_time_distribution(trace.signals["threshold"].clamp_min(0))  # pi_t -> q_phi (-inf: not asked)
             results["oracle_nmse"] = _nmse_from_errors(errs_main.min(dim=1).values, test)  # needs x*: a bound
             results["min_step"] = int(sm.policy.min_step)
 
