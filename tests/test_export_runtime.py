@@ -347,7 +347,7 @@ def test_cli_exports_a_trained_run_and_refuses_an_unfinished_one(tmp_path, capsy
     assert "--out" in capsys.readouterr().err
     assert main(["sparse", "export", "--run-dir", str(run), "--out", str(out), *TINY]) == 0
     m = load(out).manifest
-    assert m["task"] == "sparse" and m["rule"]["name"] == "quantile" and m["rule"]["source"] == "inference config"
+    assert m["task"] == "sparse" and m["rule"]["name"] == "price" and m["rule"]["source"] == "inference config"
     # the runtime on the task's test inputs: the run's own stop model and rule, loaded the CLI's way
     from learn2stop.cli import build_parser
     from learn2stop.core.pipeline import load_stage
