@@ -129,7 +129,7 @@ def test_an_empty_or_nan_validation_set_is_an_error_not_a_silent_no_selection(sm
     (["sparse", "calibrate", "--budget", "0.5", "--epsilon", "0.1"], "exactly one target"),
     (["sparse", "frontier"], "run the 'train' command"),
     (["sparse", "evaluate"], "does not exist"),
-    (["sparse", "train", "--inference.param", "2"], "inference.param"),
+    (["sparse", "train", "--inference.rule", "quantile", "--inference.param", "2"], "inference.param"),
     (["sparse", "train", "--inference.rule", "magic"], "inference.rule"),
     (["sparse", "train", "--method.price", "nan"], "method.price"),
     (["sparse", "train", "--method.beta", "-1"], "method.beta"),

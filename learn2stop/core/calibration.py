@@ -105,6 +105,7 @@ PARAM_RANGES = {
     "confidence": (lambda p: 0 < p <= 1, "in (0, 1] (a softmax probability)"),
     "entropy": (lambda p: p > 0, "> 0 (an entropy in nats)"),
     "patience": (lambda p: float(p).is_integer() and p >= 1, "an integer >= 1 (exits in a row)"),
+    "price": (lambda p: True, "a finite number (the price of full depth in log-probability units; 0 = the plan's MAP)"),
 }
 
 
