@@ -230,3 +230,26 @@ def test_device_mode_matches_the_synchronising_loop(every):
             torch.testing.assert_close(dev.outputs, sync.outputs)
     with pytest.raises(ValueError, match="compact_every"):
         run_with_early_exit(model, y, FixedDepth(2), compact_every=0)
+
+
+def test_the_loop_refuses_what_cannot_run_by_name():
+    from conftest import ToyPolicy
+
+    model = ToyStepModel(num_steps=4)
+    sm = StoppingModel(model, ToyPolicy())
+    for bad in ("quantile", None, 3):
+        with pytest.raises(TypeError, match="rule must be a stop rule"):
+            run_with_early_exit(model, torch.randn(2, 3), bad)
+    with pytest.raises(TypeError, match="InferenceConfig"):
+        sm(torch.randn(2, 3), rule="quantile")
+    with pytest.raises(ValueError, match="target has batch size 3 but the inputs have 2"):
+        sm.unroll(torch.randn(2, 3), torch.randn(3, 5), lambda o, t: (o - t).pow(2).sum(1))
+    with pytest.raises(ValueError, match="batch dimension"):
+        sm(torch.randn(3))
+
+    class NaNPlanner(Planner):
+        def forward(self, y, x, t):
+            return torch.full((x.shape[0], self.T - 1), float("nan"))
+
+    with pytest.raises(ValueError, match="NaN or inf stop logits at its plan step 2"):
+        run_with_early_exit(model, torch.randn(2, 3), PolicyRule(NaNPlanner(4, plan_step=2)))

@@ -117,6 +117,23 @@ def tree_zip_map(fn: Callable[[Tensor, Tensor], Tensor], a: Any, b: Any) -> Any:
     return b
 
 
+def check_batch_first(inputs: Any) -> None:
+    """A lone tensor input must have a batch dimension and a feature dimension (B, ...): a 1-D tensor is
+    almost always one sample whose batch dimension is missing."""
+    if isinstance(inputs, Tensor) and inputs.dim() < 2:
+        raise ValueError(f"inputs must be batch-first, shape (B, ...); got shape {tuple(inputs.shape)}: a single "
+                         "sample needs a batch dimension, e.g. x[None]")
+
+
+def check_rule(rule: Any) -> None:
+    """Refuse what cannot fill the stop-rule slot (a rule's name, None), saying what can."""
+    if not (callable(rule) or callable(getattr(rule, "plan", None))):
+        hint = (" (build it: InferenceConfig(rule=...).make_rule(policy), or a calibration's make_rule)"
+                if isinstance(rule, str) else "")
+        raise TypeError(f"rule must be a stop rule (a callable on a StepView, or a planning rule with plan()); "
+                        f"got {type(rule).__name__} {rule!r}{hint}")
+
+
 def first_ask(rule: Any) -> int:
     """The first step at which the loop consults a rule: its planning step, or its ``first_step``
     (a learned policy's ``min_step``, 2 for a tolerance test), else 1."""
@@ -282,6 +299,7 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
     Returns:
         A :class:`Rollout`; ``outputs`` is in input order.
     """
+    check_rule(rule)
     if compact_every is not None and getattr(rule, "plan_step", None) is None:
         if record_probs:
             raise ValueError("record_probs=True is not available in device mode (compact_every)")
@@ -291,7 +309,7 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
     B = batch_size(inputs)
     plan_step = getattr(rule, "plan_step", None)
     first = first_ask(rule)
-    state = model.initial_state(inputs)
+    state = _first(model.initial_state, model, inputs)
     device = tree_leaves(state)[0].device if tree_leaves(state) else tree_leaves(inputs)[0].device
     active = torch.arange(B, device=device)  # (B_active,) original rows of the running samples
     stop_times = torch.full((B,), T, dtype=torch.long, device=device)
@@ -404,7 +422,7 @@ def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int
     T = model.num_steps
     B = batch_size(inputs)
     first = first_ask(rule)
-    state = model.initial_state(inputs)
+    state = _first(model.initial_state, model, inputs)
     device = tree_leaves(state)[0].device if tree_leaves(state) else tree_leaves(inputs)[0].device
     active = torch.arange(B, device=device)
     stop_times = torch.full((B,), T, dtype=torch.long, device=device)
@@ -462,11 +480,13 @@ def _first(fn: Callable, model: Any, inputs: Any) -> Any:
     """Run the model's first call, turning a shape or dtype mismatch deep inside it into one clear error."""
     try:
         return fn(inputs)
-    except RuntimeError as e:
+    except (RuntimeError, IndexError) as e:
         shapes = [tuple(x.shape) for x in tree_leaves(inputs)]
         dtypes = sorted({str(x.dtype) for x in tree_leaves(inputs)})
+        hint = " (inputs are batch-first: a single sample needs a batch dimension, e.g. x[None])" \
+            if any(len(sh) == 1 for sh in shapes) else ""
         raise ValueError(f"{type(model).__name__} cannot take inputs of shape {shapes[0] if len(shapes) == 1 else shapes} "
-                         f"and dtype {', '.join(dtypes)}: {str(e).splitlines()[0]}") from None
+                         f"and dtype {', '.join(dtypes)}: {str(e).splitlines()[0]}{hint}") from None
 
 
 #: logit used for steps a policy declares it never stops at (sigmoid(-50) ~ 2e-22).
@@ -494,6 +514,8 @@ def planned_logits(policy: nn.Module, inputs: Any, output: Any, t: int, B: int, 
     if logits.shape != (B, T - 1):
         raise ValueError(f"a planning policy (plan_step={t}) must return the stop logits of steps 1..T-1 at once, "
                          f"shape ({B}, {T - 1}); got {tuple(logits.shape)}")
+    if not bool(torch.isfinite(logits[:, t - 1:]).all()):  # one call per rollout: the check is cheap here
+        raise ValueError(f"the planning policy returned NaN or inf stop logits at its plan step {t}")
     if t > 1:
         logits = torch.cat([logits.new_full((B, t - 1), NEVER_STOP_LOGIT), logits[:, t - 1:]], dim=1)
     return logits
@@ -642,6 +664,9 @@ class StoppingModel(nn.Module):
                model_grad: bool = True, keep_outputs: bool = False) -> Rollout:
         """Full-depth rollout recording per-step losses and stop logits (see :func:`unroll`)."""
         check_inputs(inputs)
+        check_batch_first(inputs)
+        if target is not None and batch_size(target) != batch_size(inputs):
+            raise ValueError(f"target has batch size {batch_size(target)} but the inputs have {batch_size(inputs)}")
         return unroll(self.model, inputs, target=target, loss_fn=loss_fn,
                       policy=self.policy if use_policy else None, model_grad=model_grad, keep_outputs=keep_outputs)
 
@@ -667,6 +692,8 @@ class StoppingModel(nn.Module):
 
                 rule = (inference or InferenceConfig()).make_rule(self.policy, generator)
         check_inputs(inputs)
+        check_batch_first(inputs)
+        check_rule(rule)
         return run_with_early_exit(self.model, inputs, rule, record_probs=record_probs, compact_every=compact_every)
 
     def stop_distribution(self, inputs: Any) -> Tensor:
