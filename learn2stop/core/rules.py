@@ -162,6 +162,19 @@ class PriceSignal(_PolicyBased):
         cols = [ratio[:, :t, t:].amax(dim=2).amin(dim=1) for t in range(1, T)]  # lam*_t, t = 1..T-1
         return -torch.stack(cols, dim=1) if cols else log_q.new_zeros(log_q.shape[0], 0)
 
+    def plan_times(self, view: StepView, threshold: float) -> Tensor:
+        """Online, the stop times directly: argmax_t log q_phi(t) - price * t / T over the steps from the plan
+        step (equal to the first crossing of :meth:`scores`, without its O(T^3) envelope)."""
+        from .distributions import log_stop_time_distribution
+
+        log_q = log_stop_time_distribution(planned_logits(self.policy, view.inputs, view.output, view.t,
+                                                          view.index.numel(), view.num_steps).float())
+        T = log_q.shape[1]
+        if threshold == math.inf:  # the calibrators' "never stop early"
+            return torch.full((log_q.shape[0],), T, dtype=torch.long, device=log_q.device)
+        c = torch.arange(1, T + 1, dtype=log_q.dtype, device=log_q.device) / T
+        return (log_q[:, view.t - 1:] + threshold * c[view.t - 1:]).argmax(dim=1) + view.t  # threshold = -price
+
     def __call__(self, view: StepView) -> Tensor:
         raise ValueError("the price rule reads a planned q_phi: it needs a planning policy (one with plan_step)")
 
@@ -270,7 +283,11 @@ class SignalRule:
         self.last_probs: Tensor | None = None
 
     def plan(self, view: StepView) -> Tensor:
-        """Stop times of a planning signal: the first crossing of its planned scores."""
+        """Stop times of a planning signal: the first crossing of its planned scores (or the signal's own
+        direct form of it, ``plan_times``)."""
+        direct = getattr(self.signal, "plan_times", None)
+        if direct is not None:
+            return direct(view, self.threshold)
         return first_crossing(self.signal.plan_scores(view), self.threshold)
 
     @classmethod

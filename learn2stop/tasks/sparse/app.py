@@ -273,7 +273,7 @@ class SparseApp(StoppingApp):
         for key in ("baseline", "stop", "stage3", "aevb") + (("baseline_equal",) if cfg.equal_budget else ()):
             lista = LISTA(task.A, L.num_steps, L.L, L.rho, L.shrinkage)
             p = cfg.policy
-            policy = (None if key.startswith("baseline") else SparseDepthPlanner(task.A, L.num_steps, p.hidden, L.L, L.rho)
+            policy = (None if key.startswith("baseline") else SparseDepthPlanner(task.A, L.num_steps, p.hidden)
                       if p.features == "plan" else SparseStopPolicy(task.A, L.num_steps, p.features, p.sketch_dim, p.hidden, seed=cfg.seed))
             out[key] = StoppingModel(lista, policy).to(device)
         return out
