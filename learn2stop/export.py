@@ -27,7 +27,6 @@ Example:
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import math
 import os
@@ -43,6 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .core.calibration import Calibration, InferenceConfig
 from .core.loop import NEVER_STOP_LOGIT, check_inputs, check_stepwise
 from .core.rules import SIGNALS
+from .runtime.manifest import sha256_file
 from .utils.config import ConfigError
 
 FORMAT = "learn2stop-onnx"
@@ -178,12 +178,6 @@ def _describe(names: list[str], leaves: list[Tensor], dynamic: dict[str, list[in
              "dtype": str(x.dtype).replace("torch.", "")} for n, x in zip(names, leaves)]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _used_inputs(path: Path) -> list[str]:
@@ -358,7 +352,7 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
             except Exception as e:  # the exporter's errors are long; the first line says what failed
                 raise ExportError(f"step {t} of {type(model).__name__} cannot be exported to ONNX: "
                                   f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
-            steps.append({"t": t, "file": path.name, "sha256": _sha256(path), "inputs": _used_inputs(path),
+            steps.append({"t": t, "file": path.name, "sha256": sha256_file(path), "inputs": _used_inputs(path),
                           "outputs": g_out, "readout": readout, "policy": kind})
             if keep:
                 state = model.step(t, state, inputs)

@@ -354,15 +354,9 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
         if t == T:
             finish(slice(None), output, T)
             break
-        if remaining is not None:
-            n, left = active.numel(), remaining[t]
-            if left < n:
-                finish(slice(left, n), output, t)
-                if left == 0:
-                    break
-            continue
         if t == plan_step:
             output = plan(t, output)
+        if remaining is not None:  # planned: the rows past the plan's count at t stop here, no decision
             n, left = active.numel(), remaining[t]
             if left < n:
                 finish(slice(left, n), output, t)

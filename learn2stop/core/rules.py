@@ -129,7 +129,19 @@ class QuantileSignal(_PolicyBased, _Stateful):
         return -log_survival[view.index]
 
 
-class PriceSignal(_PolicyBased):
+class _LowerStops:
+    """Mixin: the rule stops when a quantity falls below the parameter (score = minus it)."""
+
+    @staticmethod
+    def to_param(threshold: float) -> float:
+        return -threshold
+
+    @staticmethod
+    def from_param(param: float) -> float:
+        return -param
+
+
+class PriceSignal(_LowerStops, _PolicyBased):
     """One planned q_phi for every budget: stop at argmax_t log q_phi(t) - price * c_t (a planning policy only).
 
     A planning policy trained at one price predicts q_phi ~ q* ~ exp(-(l_t + price_0 c_t) / beta); adding
@@ -141,14 +153,6 @@ class PriceSignal(_PolicyBased):
     """
 
     name, param_name = "price", "price"
-
-    @staticmethod
-    def to_param(threshold: float) -> float:
-        return -threshold
-
-    @staticmethod
-    def from_param(param: float) -> float:
-        return -param
 
     @staticmethod
     def scores(stop_logits: Tensor) -> Tensor:
@@ -184,18 +188,6 @@ class _Keyed(StopSignal):
 
     def __init__(self, key: str | Callable | None = None):
         self.key = key
-
-
-class _LowerStops:
-    """Mixin: the rule stops when a quantity falls below the parameter (score = minus it)."""
-
-    @staticmethod
-    def to_param(threshold: float) -> float:
-        return -threshold
-
-    @staticmethod
-    def from_param(param: float) -> float:
-        return -param
 
 
 def _leaf(output: Any, key: str | Callable | None) -> Tensor:

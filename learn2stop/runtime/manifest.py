@@ -15,7 +15,8 @@ class ManifestError(ValueError):
     """An export folder that cannot be trusted: the message names the file and what is wrong."""
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The sha256 of a file, read in 1 MiB chunks (the manifest's checksum of each graph)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -79,7 +80,7 @@ def read_manifest(folder: str | Path, verify: bool = True) -> dict:
             graph = folder / s["file"]
             if not graph.is_file():
                 raise ManifestError(f"{graph} is missing (listed in {path}); export the run again")
-            if _sha256(graph) != s["sha256"]:
+            if sha256_file(graph) != s["sha256"]:
                 raise ManifestError(f"{graph} does not match its sha256 in {path} (changed or corrupt); "
                                     "export the run again")
     return m
