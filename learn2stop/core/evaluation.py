@@ -365,6 +365,12 @@ def frontier_plot(result: dict, path, x: str = "mean_steps") -> None:
     save_figure(fig, path)
 
 
+def plt_null_formatter():
+    from matplotlib.ticker import NullFormatter
+
+    return NullFormatter()
+
+
 def frontier_time_plot(result: dict, path) -> None:
     """The frontier in wall-clock time: metric against milliseconds per sample, at batch 1 and the large batch."""
     from ..utils.report import new_figure, save_figure
@@ -372,7 +378,7 @@ def frontier_time_plot(result: dict, path) -> None:
     fig, axes = new_figure(figsize=(10, 4.2), ncols=2)
     for ax, key, label in zip(axes, SPEED_KEYS, ("batch 1", f"batch {result['batch_n']}")):
         for name, pts in result["curves"].items():
-            pts = sorted((p for p in pts if p.get(key)), key=lambda p: 1 / p[key])
+            pts = sorted((p for p in pts if p.get(key)), key=lambda p: p["mean_steps"])  # in the curve's order
             if pts:
                 ax.plot([1e3 / p[key] for p in pts], [p["metric"] for p in pts], label=name, marker=".", ms=4,
                         lw=2 if name == "policy" else 1)
@@ -382,5 +388,6 @@ def frontier_time_plot(result: dict, path) -> None:
         ax.set_xlabel(f"ms per sample ({label}, {result['device']})")
         ax.set_ylabel(result["metric"])
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(plt_null_formatter())
     axes[0].legend(fontsize=6)
     save_figure(fig, path)
