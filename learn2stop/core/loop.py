@@ -13,7 +13,9 @@ anything: wrap the model with :class:`StoppingModel` and a policy.
 
 A *policy* is a module ``policy(inputs, output, t) -> (B,) stop logits`` (pi_t = sigmoid(logit),
 paper Eq. 2). A policy may set ``min_step``: before that step it is not called at all (pi_t = 0),
-which saves its cost where it would never stop. A *stop rule* fills the stopping slot of :func:`run_with_early_exit`: a fixed depth,
+which saves its cost where it would never stop. A *planning* policy sets ``plan_step`` instead: it is
+called once, at that step, and returns the (B, T-1) stop logits of every step (its whole q_phi), so the
+loop can sort the batch by planned depth once and run shrinking contiguous slices without deciding again. A *stop rule* fills the stopping slot of :func:`run_with_early_exit`: a fixed depth,
 a tolerance on the change of the output, or the learned policy (thresholded or sampled) all fit.
 """
 from __future__ import annotations
@@ -327,7 +329,8 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
         if t < T:
             stop_times[idx] = t
 
-    def plan(t: int, output: Any) -> None:
+    def plan(t: int, output: Any) -> Any:
+        """Ask a planning rule once; sort the running rows by planned depth (the output too, if any)."""
         nonlocal remaining, active, state, inputs
         n = active.numel()
         times = rule.plan(StepView(t, T, inputs, output, None, state, active)).clamp(max(t, 1), T)
