@@ -205,3 +205,20 @@ def test_validation_split_is_disjoint_from_training_and_test(tmp_path):
     items = APP.eval_set(syn, "test")
     assert [(s.name, s.sigma) for s in items[:2]] == [(names[0], 25.0), (names[0], 50.0)]
     assert not torch.equal(items[0].noisy - items[0].clean, items[2].noisy - items[2].clean)
+
+
+def test_reproduce_deploys_the_rule_that_keeps_the_baselines_quality(trained, tmp_path):
+    """reproduce = train (resumed: nothing left) + the calibrated default rule + evaluate."""
+    from learn2stop.tasks.denoise.app import reproduce
+
+    cfg, run = trained
+    copy = tmp_path / "run"
+    shutil.copytree(run.run_dir, copy, ignore=shutil.ignore_patterns(".lock", "calibration.json"))
+    out = reproduce(cfg, RunContext(run_dir=copy, progress=False))
+    path = copy / "calibration.json"
+    if path.is_file():  # the stop model leads the baseline on validation: its lead is spent, with the guarantee
+        cal = json.loads(path.read_text())
+        assert cal["target"]["kind"] == "risk" and cal["target"]["reference"] == "heads at full depth"
+        assert out["rule"].startswith("calibrated")
+    else:  # no lead to spend: the configured rule stays
+        assert not out["rule"].startswith("calibrated")
