@@ -283,7 +283,7 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
     - a *planning* rule (``rule.plan_step = s`` and ``rule.plan(view) -> (B,)`` stop times) is asked
       once, at step s (0: before the first step). The batch is then sorted by planned depth, once, and
       every later step runs on a contiguous leading slice of it: no further decision, gather or host
-      synchronisation (one, for the counts, at the planning step);
+      synchronisation (two at the planning step: the plan's finiteness and the counts);
     - a per-step rule (``rule(view) -> (B,) bool``) is called at the steps ``first_ask(rule)``..T-1,
       with one host synchronisation there (how many stopped) and none elsewhere.
 

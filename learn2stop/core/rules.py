@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .loop import NEVER_STOP_LOGIT, StepView, _policy_logits, planned_logits, tree_leaves
+from .loop import StepView, _policy_logits, planned_logits, tree_leaves
 
 
 class StopSignal:
