@@ -31,7 +31,9 @@ import torch
 from torch import nn
 
 from learn2stop.core.calibration import InferenceConfig, load_calibration
-from learn2stop.core.loop import StopAtTimes, StoppingModel, run_with_early_exit, unroll
+from learn2stop.core.loop import run_with_early_exit, unroll
+from learn2stop.core.model import StoppingModel
+from learn2stop.core.rules import StopAtTimes
 from learn2stop.export import export_stop_model
 from learn2stop.runtime import load
 from learn2stop.utils.report import markdown_table

@@ -40,7 +40,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .core.calibration import Calibration, InferenceConfig
-from .core.loop import NEVER_STOP_LOGIT, check_inputs, check_stepwise
+from .core.loop import NEVER_STOP_LOGIT, check_stepwise
+from .core.trees import check_inputs
 from .core.rules import SIGNALS
 from .runtime.manifest import sha256_file
 from .utils.config import ConfigError
@@ -264,7 +265,7 @@ def _onnx_export(module: nn.Module, args: tuple, path: Path, in_names: list[str]
 def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: str | Path, *, task: str = "custom",
                       exit_costs: list[float] | None = None, dynamic_dims: dict[str, list[int]] | None = None,
                       opset: int = 17, extra: dict | None = None) -> Path:
-    """Write ``sm`` (a :class:`~learn2stop.core.loop.StoppingModel`) and its rule as ONNX graphs + manifest.
+    """Write ``sm`` (a :class:`~learn2stop.core.model.StoppingModel`) and its rule as ONNX graphs + manifest.
 
     Args:
         sm: the trained stop model (its ``model`` and ``policy``); it is copied, never changed.

@@ -7,7 +7,8 @@ from torch.nn import functional as F
 
 from learn2stop import StageConfig, StagedTrainer, StoppingModel, attach_exits
 from learn2stop.core.exits import ExitHead, sdn_exit_points
-from learn2stop.core.loop import StopAtTimes, run_with_early_exit, unroll
+from learn2stop.core.loop import run_with_early_exit, unroll
+from learn2stop.core.rules import StopAtTimes
 
 
 class Block(nn.Module):

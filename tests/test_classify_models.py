@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from learn2stop.core.exits import SDN_FRACTIONS, attach_exits
-from learn2stop.core.loop import StopAtTimes, run_with_early_exit, unroll
+from learn2stop.core.loop import run_with_early_exit, unroll
+from learn2stop.core.rules import StopAtTimes
 from learn2stop.tasks.classify.models import VGG, ResNet, build_network, list_archs
 
 

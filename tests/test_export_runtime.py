@@ -14,7 +14,7 @@ pytest.importorskip("onnxruntime")
 
 from learn2stop.cli import main  # noqa: E402
 from learn2stop.core.calibration import InferenceConfig  # noqa: E402
-from learn2stop.core.loop import StoppingModel  # noqa: E402
+from learn2stop.core.model import StoppingModel  # noqa: E402
 from learn2stop.export import ExportError, export_stop_model  # noqa: E402
 from learn2stop.runtime import ManifestError, load  # noqa: E402
 from learn2stop.tasks.classify.models import build_network  # noqa: E402

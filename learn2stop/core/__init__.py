@@ -10,19 +10,9 @@ from .distributions import (
     stop_time_distribution,
     survival_log_probability,
 )
-from .loop import (
-    FixedDepth,
-    PolicyRule,
-    Rollout,
-    StepView,
-    StepwiseModel,
-    StopAtTimes,
-    StoppingModel,
-    ToleranceRule,
-    run_with_early_exit,
-    threshold_stop_times,
-    unroll,
-)
+from .loop import Rollout, StepView, StepwiseModel, run_with_early_exit, unroll
+from .rules import FixedDepth, PolicyRule, StopAtTimes, ToleranceRule, threshold_stop_times
+from .model import StoppingModel
 from .calibration import (Calibration, InferenceConfig, calibrate_budget, calibrate_risk, load_calibration,
                           save_calibration)
 from .distributions import exit_costs, log_cost_oracle_distribution, log_cost_prior

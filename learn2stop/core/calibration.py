@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 
 from ..utils.config import ConfigError, one_of, require
-from .loop import PolicyRule, Rollout
-from .rules import PLANNING_RULES, SIGNALS, SignalRule, first_crossing, sampled_stop_times
+from .loop import Rollout
+from .rules import PLANNING_RULES, SIGNALS, PolicyRule, SignalRule, first_crossing, sampled_stop_times
 
 POLICY_RULES = ("threshold", "quantile", "price")  # "price" needs a planning policy
 CALIBRATION_FILE = "calibration.json"

@@ -20,7 +20,8 @@ from torch import Tensor
 
 from .calibration import calibrate_budget
 from .distributions import exit_costs
-from .loop import run_with_early_exit, tree_leaves, tree_map, unroll
+from .loop import run_with_early_exit, unroll
+from .trees import tree_leaves, tree_map
 from .rules import StopSignal, first_crossing, signal_trace
 
 

@@ -7,7 +7,7 @@ each exit an SDN-style head of the right width (Kaya et al. 2019: mixed max/avg 
 a linear layer), and counts the FLOPs of every segment and head with
 ``torch.utils.flop_counter.FlopCounterMode``. The result is an :class:`ExitNetwork`: step t runs
 segment t, ``readout(t)`` is exit t's logits (the network's own output at t = T), and ``exit_costs``
-are the cumulative FLOPs of exiting at t, so :class:`~learn2stop.core.loop.StoppingModel`, the stages,
+are the cumulative FLOPs of exiting at t, so :class:`~learn2stop.core.model.StoppingModel`, the stages,
 calibration and the frontier use it as they are.
 
     >>> import torch

@@ -19,7 +19,9 @@ from ..utils.registry import Registry
 from . import losses as L
 from .distributions import (exit_costs, log_cost_prior, log_depth_prior, log_oracle_distribution,
                             log_stop_time_distribution, sample_stop_time)
-from .loop import StopAtTimes, StoppingModel, run_with_early_exit
+from .loop import run_with_early_exit
+from .model import StoppingModel
+from .rules import StopAtTimes
 
 OBJECTIVES: Registry[Callable] = Registry("stage objective")
 

@@ -30,9 +30,10 @@ from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rul
 from .evaluation import (Metric, Trace, budget_curve, collect_trace, fixed_depth_curve, frontier_markdown, frontier_plot,
                          SPEED_KEYS, frontier_summary, frontier_time_plot, measure_speed, oracle_curve, speed_at_quality,
                          sweep_curve, _point)
-from .loop import FixedDepth, StoppingModel, tree_cat, tree_leaves, tree_map
+from .model import StoppingModel
+from .trees import tree_cat, tree_leaves, tree_map
 from .objectives import MethodConfig, StageConfig
-from .rules import SIGNALS, SignalRule, first_crossing
+from .rules import SIGNALS, FixedDepth, SignalRule, first_crossing
 from .trainer import StagedTrainer, load_finished_stage
 
 

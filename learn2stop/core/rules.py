@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .loop import StepView, _policy_logits, planned_logits, tree_leaves
+from .loop import StepView, _policy_logits, planned_logits
+from .trees import tree_leaves
 
 
 class StopSignal:
@@ -293,6 +294,103 @@ class SignalRule:
         return score >= self.threshold
 
 
+# ----------------------------------------------------------------------------- the basic rules
+class FixedDepth:
+    """Stop every sample at step ``depth`` (default: T, i.e. never early). Asked once, at that step."""
+
+    def __init__(self, depth: int | None = None):
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
+            raise ValueError(f"depth must be an integer >= 1; got {depth!r}")
+        self.depth = depth
+        self.first_step = depth if depth is not None else 1 << 30  # full depth: never asked
+
+    def __call__(self, view: StepView) -> Tensor:
+        stop = self.depth is not None and view.t >= self.depth
+        return torch.full((view.index.numel(),), stop, dtype=torch.bool, device=view.index.device)
+
+
+class StopAtTimes:
+    """Stop each sample at a given 1-based step (e.g. sampled from the oracle): a plan made before step 1.
+
+    Args:
+        stop_times: (B,) integer steps >= 1, one per sample of the batch it will be run on.
+    """
+
+    plan_step = 0
+
+    def __init__(self, stop_times: Tensor):
+        if not isinstance(stop_times, Tensor) or stop_times.dim() != 1 or stop_times.is_floating_point() \
+                or stop_times.dtype == torch.bool:
+            raise ValueError("stop_times must be a 1-D integer tensor of 1-based steps, one per sample; got "
+                             + (f"{stop_times.dtype} of shape {tuple(stop_times.shape)}" if isinstance(stop_times, Tensor)
+                                else type(stop_times).__name__))
+        if stop_times.numel() and int(stop_times.min()) < 1:
+            raise ValueError(f"stop_times must be >= 1 (1-based steps); got a minimum of {int(stop_times.min())}")
+        self.stop_times = stop_times
+
+    def plan(self, view: StepView) -> Tensor:
+        if self.stop_times.shape[0] <= int(view.index.max()):
+            raise ValueError(f"stop_times has {self.stop_times.shape[0]} entries for a batch of {view.index.numel()} samples")
+        times = self.stop_times.to(view.index.device)[view.index]
+        if int(times.max()) > view.num_steps:
+            raise ValueError(f"stop_times go up to step {int(times.max())} but the model has {view.num_steps} steps")
+        return times
+
+    def __call__(self, view: StepView) -> Tensor:
+        return self.plan(view) <= view.t
+
+
+class ToleranceRule(SignalRule):
+    """Stop when the relative change ||out_t - out_{t-1}|| / ||out_t|| falls to ``tol`` or below.
+
+    The classical convergence test of iterative solvers: ``SignalRule(ToleranceSignal(key), -tol)``.
+    ``key`` picks a leaf of a dict output (or is a function of the output).
+    """
+
+    def __init__(self, tol: float, key: str | Callable | None = None):
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0 or tol == math.inf:
+            raise ValueError(f"tol must be a finite number > 0; got {tol!r}")
+        super().__init__(ToleranceSignal(key), ToleranceSignal.from_param(tol))
+        self.tol = tol
+
+
+class PolicyRule(SignalRule):
+    """Ask a learned policy: stop once pi_t >= threshold (``SignalRule(PolicySignal(policy), threshold)``),
+    or, in sample mode, stop at step t with probability pi_t (the paper's q_phi).
+
+    A planning policy (one with ``plan_step``) is asked once, at that step, and the same rule reads
+    each sample's stop time off its planned stop logits.
+
+    Args:
+        policy: ``policy(inputs, output, t) -> (B,)`` stop logits (or (B, T-1) for a planning policy).
+        mode: ``"threshold"`` (deterministic) or ``"sample"`` (stochastic).
+        threshold: stop probability from which a sample stops in threshold mode.
+        generator: random generator for sample mode (draws on its device; CPU by default).
+    """
+
+    def __init__(self, policy: nn.Module, mode: str = "threshold", threshold: float = 0.5,
+                 generator: torch.Generator | None = None):
+        if mode not in ("threshold", "sample"):
+            raise ValueError(f"mode must be 'threshold' or 'sample'; got {mode!r}")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < 1:
+            raise ValueError(f"threshold must be a number in (0, 1); got {threshold!r}")
+        super().__init__(PolicySignal(policy), threshold)
+        self.policy, self.mode, self.generator = policy, mode, generator
+
+    def plan(self, view: StepView) -> Tensor:
+        if self.mode == "threshold":
+            return super().plan(view)
+        return sampled_stop_times(planned_logits(self.policy, view.inputs, view.output, view.t, view.index.numel(),
+                                                 view.num_steps), self.generator)
+
+    def __call__(self, view: StepView) -> Tensor:
+        if self.mode == "threshold":
+            return super().__call__(view)
+        p = self.last_probs = self.signal(view)
+        gen_device = self.generator.device if self.generator is not None else p.device
+        return torch.rand(p.shape, generator=self.generator, device=gen_device).to(p.device) < p
+
+
 # ----------------------------------------------------------------------------- offline form
 @torch.no_grad()
 def signal_trace(signal: StopSignal, step_outputs: list[Any], inputs: Any) -> Tensor:
@@ -338,3 +436,9 @@ def sampled_stop_times(stop_logits: Tensor, generator: torch.Generator | None = 
     from .distributions import log_stop_time_distribution, sample_stop_time
 
     return sample_stop_time(log_stop_time_distribution(stop_logits), generator) + 1
+
+
+def threshold_stop_times(stop_logits: Tensor, threshold: float = 0.5) -> Tensor:
+    """1-based stop times of :class:`PolicyRule` in threshold mode from a full rollout's (B, T-1) stop
+    logits (the first t with pi_t >= threshold, else T), without running the model a second time."""
+    return first_crossing(PolicySignal.scores(stop_logits), threshold)

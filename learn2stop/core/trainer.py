@@ -34,7 +34,8 @@ from ..utils.rundir import truncate_metrics
 from ..utils.distributed import DistContext
 from .calibration import InferenceConfig
 from .distributions import exit_costs
-from .loop import StoppingModel, tree_map
+from .model import StoppingModel
+from .trees import tree_map
 from .objectives import NonFiniteError, StageConfig, StageObjective
 from .rules import first_crossing, signal_trace
 

@@ -18,7 +18,7 @@ import torch
 
 from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, ToleranceSignal
 from ...core.evaluation import collect_trace, evaluate_rule
-from ...core.loop import FixedDepth
+from ...core.rules import FixedDepth
 from ...core.pipeline import Stage, StoppingApp, check_config, deploy_calibration, deployed_rule, load_stage
 from ...core.trainer import derive_seed
 from ...utils.config import from_dict, ints_at_least, merge, require, to_dict

@@ -10,7 +10,7 @@ steps on the support set, the state is the per-task fast weights ``{name: (B, *s
 readout is the query prediction (plus label-free features for the stopping policy).
 
 :class:`ModelConfig` and the builders at the end (:func:`build`: MAML and MAML-stop from one
-initialisation) turn a config into the two :class:`~learn2stop.core.loop.StoppingModel` s.
+initialisation) turn a config into the two :class:`~learn2stop.core.model.StoppingModel` s.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import grad, vmap
 
-from ...core.loop import StoppingModel, tree_leaves, tree_map
+from ...core.model import StoppingModel
+from ...core.trees import tree_leaves, tree_map
 from ...core.trainer import derive_seed
 from ...utils.config import ints_at_least, non_negative, one_of, positive
 from ...utils.registry import Registry

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...core.loop import tree_map
+from ...core.trees import tree_map
 from ...utils.config import ints_at_least, one_of, require
 from . import data as D
 from .models import MAMLModel, confidence_interval
