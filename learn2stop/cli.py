@@ -48,6 +48,9 @@ def build_parser(task_name: str) -> argparse.ArgumentParser:
                      help="calibrate: the bound holds with probability >= 1 - delta (default 0.1)")
     cal.add_argument("--rule", default=None, help="calibrate: which rule (default: inference.rule)")
     cal.add_argument("--no-speed", action="store_true", help="frontier: skip the wall-clock measurements")
+    cal.add_argument("--backend", default=None,
+                     help="evaluate, frontier: where early exit runs: torch (default), compile (torch.compile) or "
+                          "onnxruntime (the exported graphs); frontier takes several, comma-separated, side by side")
     parser.add_argument("--out", default=None, help="export: folder for the ONNX graphs and manifest (new, or an earlier export)")
     add_config_arguments(parser, spec.config_class)
     return parser
@@ -55,7 +58,7 @@ def build_parser(task_name: str) -> argparse.ArgumentParser:
 
 #: command-line options that only some commands read: anywhere else they would be silently ignored
 COMMAND_OPTIONS = {"budget": ("calibrate",), "epsilon": ("calibrate",), "delta": ("calibrate",), "rule": ("calibrate",),
-                   "no_speed": ("frontier",), "no_resume": ("train", "reproduce"), "out": ("export",)}
+                   "no_speed": ("frontier",), "backend": ("evaluate", "frontier"), "no_resume": ("train", "reproduce"), "out": ("export",)}
 
 
 def check_command_options(args: argparse.Namespace, spec, cfg) -> None:
@@ -85,6 +88,12 @@ def check_command_options(args: argparse.Namespace, spec, cfg) -> None:
             check_risk(args.epsilon, 0.1 if args.delta is None else args.delta)
         if args.rule is not None:
             check_rule(spec.app, cfg, args.rule, "--rule", spec.name)
+    if args.backend is not None:
+        from .backends import parse_backends
+
+        names = parse_backends(args.backend)
+        if args.command == "evaluate" and len(names) > 1:
+            raise ConfigError(f"--backend: evaluate runs on one backend; got {args.backend!r} (frontier takes several)")
 
 
 def _new_folder_root(path: Path) -> Path | None:
@@ -173,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                      progress=not args.no_progress, resume=not args.no_resume,
                      options={"budget": args.budget, "epsilon": args.epsilon,
                               "delta": 0.1 if args.delta is None else args.delta, "rule": args.rule,
-                              "no_speed": args.no_speed, "out": args.out})
+                              "no_speed": args.no_speed, "out": args.out, "backend": args.backend})
     new_folder = _new_folder_root(run.run_dir) if args.command in TRAINING_COMMANDS else None
     failed = True
     try:

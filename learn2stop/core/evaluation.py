@@ -113,18 +113,19 @@ def collect_trace(model: Any, batches: Iterable[tuple[Any, Any]], metric: Metric
 
 @torch.no_grad()
 def evaluate_rule(model: Any, batches: Iterable[tuple[Any, Any]], rule_factory: Callable[[], Any], metric: Metric,
-                  device=None, extras: Callable[[Any, Any], dict[str, Tensor]] | None = None) -> dict[str, Any]:
+                  device=None, extras: Callable[[Any, Any], dict[str, Tensor]] | None = None,
+                  runner: Callable[..., Any] = run_with_early_exit) -> dict[str, Any]:
     """Real early exit with one rule over a set: stop times, per-sample metric at the stop, steps computed.
 
     ``rule_factory()`` gives a fresh rule per batch (stateful rules reset themselves at t = 1, so
-    one rule also works). Returns {"stop_times" (N,), "values" (N,), "metric", "mean_steps",
+    one rule also works). ``runner``: where it runs (see :mod:`learn2stop.backends`). Returns {"stop_times" (N,), "values" (N,), "metric", "mean_steps",
     "mean_cost", "steps_computed"}.
     """
     times, values, extra_rows = [], [], []
     rule = rule_factory()
     for inputs, target in batches:
         inputs, target = _to(inputs, device), _to(target, device)
-        r = run_with_early_exit(model, inputs, rule)
+        r = runner(model, inputs, rule)
         times.append(r.stop_times.cpu())
         values.append(metric.per_sample(r.outputs, target).float().cpu())
         if extras is not None:
@@ -207,13 +208,18 @@ def _dedupe(points: list[dict]) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- speed
+class BackendError(ValueError):
+    """A backend (runner) that cannot run this model or rule: the message names which and why."""
+
+
 def measure_speed(model: Any, inputs: Any, rule_factory: Callable[[], Any], batch_size: int, repeats: int = 3,
-                  max_seconds: float = 2.0) -> float:
+                  max_seconds: float = 2.0, runner: Callable[..., Any] = run_with_early_exit) -> float:
     """Samples per second of real early exit with a rule, in batches of ``batch_size`` (wall clock).
 
-    Runs over ``inputs`` (batch-first tree) chunk by chunk, after one warm-up chunk, ``repeats`` times,
-    and keeps the fastest pass (the least disturbed by other work on the machine). A pass stops early
-    after ``max_seconds``. On CUDA the clock waits for the device.
+    Runs over ``inputs`` (batch-first tree) chunk by chunk, after one warm-up chunk (which also compiles
+    or exports, for such a ``runner``), ``repeats`` times, and keeps the fastest pass (the least disturbed
+    by other work on the machine). A pass stops early after ``max_seconds``. On CUDA the clock waits for
+    the device.
     """
     leaves = tree_leaves(inputs)
     n = leaves[0].shape[0]
@@ -221,13 +227,13 @@ def measure_speed(model: Any, inputs: Any, rule_factory: Callable[[], Any], batc
     chunks = [tree_map(lambda x: x[i:i + batch_size], inputs) for i in range(0, n, batch_size)]
     best = 0.0
     with torch.no_grad():
-        run_with_early_exit(model, chunks[0], rule_factory())  # warm-up
+        runner(model, chunks[0], rule_factory())  # warm-up
         for _ in range(repeats):
             if cuda:
                 torch.cuda.synchronize()
             done, t0 = 0, time.perf_counter()
             for c in chunks:
-                run_with_early_exit(model, c, rule_factory())
+                runner(model, c, rule_factory())
                 done += tree_leaves(c)[0].shape[0]
                 if time.perf_counter() - t0 > max_seconds:
                     break
@@ -334,6 +340,15 @@ def frontier_markdown(result: dict, x: str = "mean_steps") -> str:
     if not at:
         return head + table
     ref = result["speed_reference"]
+    return head + table + "".join(_time_table(result, at, ref, backend)
+                                  for backend, at in [(result.get("backend", "torch"), at),
+                                                      *result.get("speed_at_quality_by_backend", {}).items()])
+
+
+def _time_table(result: dict, at: dict, ref: dict, backend: str) -> str:
+    """The "In time" table of one backend: each curve's speed where it reaches the reference quality."""
+    from ..utils.report import markdown_table
+
     lines = []
     for curve, r in at.items():
         if r["reaches"]:
@@ -342,7 +357,10 @@ def frontier_markdown(result: dict, x: str = "mean_steps") -> str:
         else:
             lines.append([curve, f"never (best {r['best_metric']:.4g})", None, None, None, None])
     lines.sort(key=lambda l: -(l[3] or 0))
-    return (head + table + f"\n\n## In time: speed at the quality of {ref['name']} ({ref['metric']:.4g})\n\n"
+    first = result.get("backend", "torch")
+    where = "" if backend == first and not result.get("speed_at_quality_by_backend") else \
+        f", backend {backend}" + ("" if backend == first else f" (speed-ups against {ref['name']} in {first})")
+    return (f"\n\n## In time: speed at the quality of {ref['name']} ({ref['metric']:.4g}){where}\n\n"
             + markdown_table(["curve", "mean steps", "speed-up @1", f"speed-up @{result['batch_n']}", "samples/s @1",
                               f"samples/s @{result['batch_n']}"], lines, digits=3))
 

@@ -27,9 +27,10 @@ from ..utils.config import ConfigError
 from ..utils.report import write_json, write_text_atomic
 from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rule, policy_rules, calibrate_budget, calibrate_risk,
                           check_budget, check_risk, load_calibration, save_calibration)
-from .evaluation import (Metric, Trace, budget_curve, collect_trace, fixed_depth_curve, frontier_markdown, frontier_plot,
+from .evaluation import (BackendError, Metric, Trace, budget_curve, collect_trace, fixed_depth_curve, frontier_markdown, frontier_plot,
                          SPEED_KEYS, frontier_summary, frontier_time_plot, measure_speed, oracle_curve, speed_at_quality,
                          sweep_curve, _point)
+from .loop import run_with_early_exit
 from .model import StoppingModel
 from .trees import tree_cat, tree_leaves, tree_map
 from .objectives import MethodConfig, StageConfig
@@ -343,8 +344,15 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run, *, delta: float = 0.1) -
 
 
 def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
-                     speed: bool = True) -> dict:
-    """The accuracy-compute frontier of a trained run: ``frontier.json``, ``frontier.md``, ``frontier.png``."""
+                     speed: bool = True, runners: dict[str, Callable] | None = None) -> dict:
+    """The accuracy-compute frontier of a trained run: ``frontier.json``, ``frontier.md``, ``frontier.png``.
+
+    ``runners``: backend name -> runner (:mod:`learn2stop.backends`; default eager torch) whose speeds are
+    measured side by side. The first gives each point's ``samples_per_s_*`` and the time plot; every one
+    has its speeds in ``point["speeds"][name]`` and its "In time" table, all against the first backend's
+    reference (e.g. ONNX Runtime's policy against eager LISTA). A point a backend cannot run has none.
+    """
+    runners = runners or {"torch": run_with_early_exit}
     _require_trained(run.run_dir, app.stop_stage, "frontier")
     dev = run.device
     metric = app.metric(cfg)
@@ -400,10 +408,24 @@ def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5,
             jobs.append((asked, lambda: SignalRule(SIGNALS["quantile"](sm.policy), math.inf), sm.model))
         jobs += [(p, how[name][0](p), how[name][1]) for name, pts in curves.items() if name in how for p in pts]
         # Round-robin passes, best of three per point: a drift in the machine's load hits every point alike.
-        for key, data, size in (("samples_per_s_batch1", one, 1), ("samples_per_s_batchN", big, bn)):
-            for _ in range(3):
-                for point, factory, model in jobs:
-                    point[key] = max(point.get(key, 0.0), measure_speed(model, data, factory, size, repeats=1))
+        for bname, runner in runners.items():
+            unsupported: set[int] = set()
+            for key, data, size in (("samples_per_s_batch1", one, 1), ("samples_per_s_batchN", big, bn)):
+                for _ in range(3):
+                    for i, (point, factory, model) in enumerate(jobs):
+                        if i in unsupported:
+                            continue
+                        try:
+                            v = measure_speed(model, data, factory, size, repeats=1, runner=runner)
+                        except BackendError as e:
+                            unsupported.add(i)
+                            run.log(f"frontier: {e}; that point has no {bname} speed")
+                            continue
+                        got = point.setdefault("speeds", {}).setdefault(bname, {})
+                        got[key] = max(got.get(key, 0.0), v)
+        first = next(iter(runners))
+        for point, _, _ in jobs:
+            point.update(point.get("speeds", {}).get(first, {}))
         if asked:
             overhead = {"batch1": full["samples_per_s_batch1"] / asked["samples_per_s_batch1"] - 1,
                         "batchN": full["samples_per_s_batchN"] / asked["samples_per_s_batchN"] - 1}
@@ -412,7 +434,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5,
         for p in [full] + [p for pts in curves.values() for p in pts]:
             p[f"mean_{unit[0]}"] = p["mean_cost"] * unit[1]
     result = {"metric": metric.name, "lower_is_better": metric.lower_is_better, "num_steps": T,
-              "full_depth": full, "batch_n": bn, "device": str(dev or "cpu"),
+              "full_depth": full, "batch_n": bn, "device": str(dev or "cpu"), "backend": next(iter(runners)),
               "test_samples": N, "budget_by": app.budget_by, "curves": curves,
               "policy_overhead": overhead}
     if speed:  # the number a user cares about: how much faster at the quality they have today
@@ -421,6 +443,11 @@ def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5,
         result["speed_reference"] = {"name": f"{app.baseline_stage} at full depth" if ref_pts else "full depth",
                                      "metric": ref["metric"], **{k: ref[k] for k in SPEED_KEYS if k in ref}}
         result["speed_at_quality"] = speed_at_quality(curves, metric, ref)
+        result["backends"] = list(runners)
+        for bname in list(runners)[1:]:
+            moved = {n: [{**{k: v for k, v in p.items() if k not in SPEED_KEYS}, **p.get("speeds", {}).get(bname, {})}
+                         for p in pts] for n, pts in curves.items()}
+            result.setdefault("speed_at_quality_by_backend", {})[bname] = speed_at_quality(moved, metric, ref)
     result["summary"] = frontier_summary(curves, metric, full, T)
     if app.budget_by == "cost":
         result["summary_by_cost"] = frontier_summary(curves, metric, full, T, x="mean_cost")

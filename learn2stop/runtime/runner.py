@@ -120,11 +120,24 @@ class StopRuntime:
         return out
 
     # ------------------------------------------------------------------ the loop
-    def run(self, inputs: Any) -> RuntimeResult:
-        """Early exit for a batch: ``inputs`` an array (B, ...) or a dict of arrays, as the manifest lists."""
+    def run(self, inputs: Any, threshold: float | None = None) -> RuntimeResult:
+        """Early exit for a batch: ``inputs`` an array (B, ...) or a dict of arrays, as the manifest lists.
+
+        ``threshold`` runs the manifest's rule at another threshold (score units; e.g. another point of a
+        frontier) on the same graphs; a fixed depth, or a rule exported as never stopping early, has none.
+        """
         feeds = self._check(inputs)
         B = next(iter(feeds.values())).shape[0]
-        rule = make_rule(self.rule_spec)
+        spec = self.rule_spec
+        if threshold is not None:
+            if spec["name"] == "fixed" or spec.get("never_stops_early"):
+                raise ValueError(f"threshold: the export's rule ({spec['name']}"
+                                 f"{', never stopping early' if spec.get('never_stops_early') else ''}) has no "
+                                 "threshold to change; export the rule with a finite threshold")
+            if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold != threshold:
+                raise ValueError(f"threshold must be a number; got {threshold!r}")
+            spec = {**spec, "threshold": float(threshold)}
+        rule = make_rule(spec)
         rule.start(B)
         outs: list = [None] * self._n_out  # allocated at the first write (sizes may follow the inputs')
         stop_times = np.full(B, self.last_step, dtype=np.int64)

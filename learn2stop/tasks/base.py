@@ -42,6 +42,24 @@ class RunContext:
     def device(self):
         return self.ctx.device
 
+    @property
+    def runners(self) -> dict[str, Callable]:
+        """Backend name -> runner, from ``options["backend"]`` (``torch``, ``compile``, ``onnxruntime``,
+        comma-separated for a frontier side by side; see :mod:`learn2stop.backends`). Built once."""
+        if getattr(self, "_runners", None) is None:
+            import torch
+
+            from ..backends import make_runner, parse_backends
+
+            self._runners = {n: make_runner(n, threads=torch.get_num_threads())
+                             for n in parse_backends(self.options.get("backend"))}
+        return self._runners
+
+    @property
+    def runner(self) -> Callable:
+        """The runner ``evaluate`` uses: the first backend asked for (eager torch by default)."""
+        return next(iter(self.runners.values()))
+
     def prepare(self, cfg: Any, command: str = "train") -> None:
         """Check the run directory, lock it, and record the resolved config beside the checkpoints.
 
@@ -182,7 +200,7 @@ def register_task(spec: TaskSpec) -> TaskSpec:
                                      delta=o.get("delta", 0.1), rule=o.get("rule"))
 
         def frontier(cfg, run):
-            return frontier_command(spec.app, cfg, run, speed=not run.options.get("no_speed", False))
+            return frontier_command(spec.app, cfg, run, speed=not run.options.get("no_speed", False), runners=run.runners)
 
         def export(cfg, run):
             from ..export import export_command

@@ -345,7 +345,7 @@ def evaluate(cfg: ClassifyConfig, run) -> dict:
                           metric(trace.at(stops)), float(flops[stops - 1].mean() / full_flops) * 100,
                           float(stops.float().mean())])
     sm_rule, desc = deployed_rule(APP, cfg, run.run_dir, sm)
-    deployed = evaluate_rule(sm.model, test, lambda: sm_rule, metric, dev)
+    deployed = evaluate_rule(sm.model, test, lambda: sm_rule, metric, dev, runner=run.runner)
     result.update({"table": rows, "rules_at_equal_flops": rule_rows, "full_network_flops": full_flops,
                    "deployed": {"rule": desc, "accuracy": deployed["metric"], "mean_steps": deployed["mean_steps"],
                                 "flops_fraction": float(flops[deployed["stop_times"] - 1].mean() / full_flops)}})

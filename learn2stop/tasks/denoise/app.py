@@ -149,7 +149,7 @@ def evaluate(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
     if cfg.stage3.iterations > 0:
         s3 = load_stage(APP, cfg, run.run_dir, "stage3", dev)
         models["DnCNN-stop (III)"] = (s3.model, lambda: deployed_rule(APP, cfg, None, s3)[0])
-    results = {name: evaluate_rule(model, batches, factory, metric, dev) for name, (model, factory) in models.items()}
+    results = {name: evaluate_rule(model, batches, factory, metric, dev, runner=run.runner) for name, (model, factory) in models.items()}
     trace = collect_trace(sm.model, batches, metric, dev)  # every exit of every image: the last and the best
     timed = {**models, "DnCNN-stop full depth": (sm.model, FixedDepth)}
     timing = {b: ms_per_image(timed, [x for x, _ in batches], b, cfg.eval.timing_rounds) for b in (1, APP.speed_batch)}

@@ -211,7 +211,7 @@ def evaluate(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
     scale = 1.0 if metric.lower_is_better else 100.0
     gen = torch.Generator().manual_seed(derive_seed(cfg.seed, "test-stop"))  # for the sampled rule
     rule, desc = deployed_rule(APP, cfg, run.run_dir, stop, generator=gen)
-    learned = evaluate_rule(stop.model, batches, lambda: rule, metric, dev)
+    learned = evaluate_rule(stop.model, batches, lambda: rule, metric, dev, runner=run.runner)
     result: dict[str, Any] = {"metric": metric.name, "lower_is_better": metric.lower_is_better, "rule": desc}
     if cfg.eval.per_step:
         maml_steps = collect_trace(step_view(base, cfg), batches, metric, dev).metric  # (N, T) per-task metric
@@ -225,7 +225,7 @@ def evaluate(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
     rows = {f"MAML ({T} steps)": summarize(maml_last, scale), "MAML-stop (learned stop)": summarize(learned["values"], scale)}
     if desc.startswith("calibrated") and not cfg.inference.sampled:  # the configured rule as a second operating point
         inf = cfg.inference
-        other = evaluate_rule(stop.model, batches, lambda: inf.make_rule(stop.policy, gen), metric, dev)
+        other = evaluate_rule(stop.model, batches, lambda: inf.make_rule(stop.policy, gen), metric, dev, runner=run.runner)
         rows[f"MAML-stop ({inf.rule} {inf.param:g}, {other['mean_steps']:.2f} steps)"] = summarize(other["values"], scale)
     if cfg.eval.per_step:
         sign = 1.0 if metric.lower_is_better else -1.0

@@ -413,7 +413,7 @@ def evaluate(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
         sm = load_stage(APP, cfg, run.run_dir, stage, dev)
         rule, desc = deployed_rule(APP, cfg, run.run_dir if stage == "stage2" else None, sm,
                                    generator=torch.Generator().manual_seed(cfg.seed))
-        r = evaluate_rule(sm.model, batches, lambda: rule, metric, dev, extras=APP.trace_extras(cfg))
+        r = evaluate_rule(sm.model, batches, lambda: rule, metric, dev, extras=APP.trace_extras(cfg), runner=run.runner)
         times = r["stop_times"]
         results["rows"][label] = _nmse_from_errors(r["values"], test)
         results["depth"][label] = {"mean": float(times.float().mean()),
@@ -425,7 +425,7 @@ def evaluate(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
             inf = cfg.inference
             if desc.startswith("calibrated") and not inf.sampled:  # the configured rule as a second operating point
                 other = f"LISTA-stop, {inf.rule} {inf.param:g}"
-                r2 = evaluate_rule(sm.model, batches, lambda: inf.make_rule(sm.policy), metric, dev,
+                r2 = evaluate_rule(sm.model, batches, lambda: inf.make_rule(sm.policy), metric, dev, runner=run.runner,
                                    extras=APP.trace_extras(cfg))
                 results["rows"][other] = _nmse_from_errors(r2["values"], test)
                 results["depth"][other] = {"mean": r2["mean_steps"], **{f"{s:g}": float(r2["stop_times"][test.snr == s]

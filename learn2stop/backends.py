@@ -1,0 +1,151 @@
+"""Where early exit runs: eager PyTorch, ``torch.compile``, or the exported graphs in ONNX Runtime.
+
+A backend is a *runner* with the signature of :func:`~learn2stop.core.loop.run_with_early_exit`,
+``runner(model, inputs, rule) -> Rollout``, so ``evaluate`` (the metric of what the backend outputs) and
+``frontier`` (its wall-clock speed at every point) take any of them, side by side:
+
+- ``torch``: the loop as it is (:func:`~learn2stop.core.loop.run_with_early_exit`).
+- ``compile``: the same loop over the model's ``step`` and ``readout`` compiled by ``torch.compile``
+  (dynamic shapes, since the batch shrinks; compiled once per model, on the first call).
+- ``onnxruntime``: the model and its policy exported per rule kind (:func:`~learn2stop.export.export_stop_model`,
+  into a temporary folder, once per model and rule kind or fixed depth) and run by
+  :class:`~learn2stop.runtime.StopRuntime`, whose stop times and outputs match the torch loop's. Thresholds
+  of one rule share an export. Needs the deploy extra; MAML's inner gradient steps do not export.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .core.evaluation import BackendError
+from .core.loop import Rollout, run_with_early_exit
+from .core.model import StoppingModel
+from .core.rules import FixedDepth, PolicyRule, SignalRule
+from .core.trees import tree_leaves
+
+BACKENDS = ("torch", "compile", "onnxruntime")
+Runner = Callable[[Any, Any, Any], Rollout]
+__all__ = ["BACKENDS", "BackendError", "CompiledRunner", "OnnxRunner", "make_runner", "parse_backends"]
+
+
+def parse_backends(value: str | None) -> list[str]:
+    """``--backend torch,onnxruntime`` as a list of known backends (default: torch), each once."""
+    names = [n.strip() for n in (value or "torch").split(",") if n.strip()]
+    bad = [n for n in names if n not in BACKENDS]
+    if bad or not names or len(set(names)) != len(names):
+        raise BackendError(f"--backend: give one or more of {', '.join(BACKENDS)}, comma-separated, each once; "
+                           f"got {value!r}")
+    return names
+
+
+def make_runner(name: str, threads: int = 1) -> Runner:
+    """The runner of backend ``name`` (one of :data:`BACKENDS`); ``threads``: ONNX Runtime's intra-op threads."""
+    if name == "torch":
+        return run_with_early_exit
+    if name == "compile":
+        return CompiledRunner()
+    if name == "onnxruntime":
+        return OnnxRunner(threads)
+    raise BackendError(f"backend: unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+
+
+# ----------------------------------------------------------------------------- torch.compile
+class _Compiled:
+    """A step-wise model whose ``step`` and ``readout`` are compiled; every other member is the model's."""
+
+    def __init__(self, model: Any):
+        self._model = model
+        self.step = torch.compile(model.step, dynamic=True)
+        self.readout = torch.compile(model.readout, dynamic=True)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+class CompiledRunner:
+    """``run_with_early_exit`` over compiled steps; one compiled copy per model, kept with the model."""
+
+    def __init__(self):
+        self._compiled: dict[int, tuple[Any, _Compiled]] = {}
+
+    def __call__(self, model: Any, inputs: Any, rule: Any, **kw) -> Rollout:
+        entry = self._compiled.get(id(model))
+        if entry is None or entry[0] is not model:
+            entry = self._compiled[id(model)] = (model, _Compiled(model))
+        try:
+            return run_with_early_exit(entry[1], inputs, rule, **kw)
+        except Exception as e:  # torch.compile raises its own types (BackendCompilerFailed, Unsupported, ...)
+            if "torch._dynamo" not in type(e).__module__ and "torch._inductor" not in type(e).__module__:
+                raise
+            raise BackendError(f"backend compile: torch.compile cannot compile {type(model).__name__}'s steps: "
+                               f"{str(e).splitlines()[0]}") from None
+
+
+# ----------------------------------------------------------------------------- ONNX Runtime
+def rule_export_key(rule: Any, num_steps: int) -> tuple[dict, float | None]:
+    """(the rule spec an export needs, the threshold to run it at) for a rule of the core."""
+    if isinstance(rule, FixedDepth):
+        return {"name": "fixed", "param": rule.depth or num_steps}, None
+    if isinstance(rule, PolicyRule) and rule.mode != "threshold":
+        raise BackendError("backend onnxruntime: the runtime runs deterministic rules only, not a sampled policy")
+    if isinstance(rule, SignalRule):
+        thr = rule.threshold
+        spec = {"name": rule.signal.name, "param": 0.0, "threshold": thr if math.isfinite(thr) else math.inf}
+        return spec, (thr if math.isfinite(thr) else None)
+    raise BackendError(f"backend onnxruntime: {type(rule).__name__} cannot run in the runtime (it runs a fixed depth "
+                       "and the threshold rules: policy, quantile, price, confidence, entropy, tolerance)")
+
+
+class OnnxRunner:
+    """Runs a core rule on the exported model in ONNX Runtime, exporting on first use (cached per model, rule
+    kind and fixed depth), and gives the result as a :class:`~learn2stop.core.loop.Rollout` of tensors."""
+
+    def __init__(self, threads: int = 1):
+        try:
+            import onnx  # noqa: F401
+            import onnxruntime  # noqa: F401
+        except ImportError:
+            raise BackendError("backend onnxruntime needs the deploy extra: pip install -e \".[deploy]\"") from None
+        self.threads = threads
+        self._dir = tempfile.mkdtemp(prefix="learn2stop-ort-")
+        self._runtimes: dict[tuple, tuple[Any, Any]] = {}
+
+    def __del__(self):
+        shutil.rmtree(getattr(self, "_dir", ""), ignore_errors=True)
+
+    def _runtime(self, model: Any, rule: Any, inputs: Any, spec: dict):
+        from .export import ExportError, export_stop_model
+        from .runtime import load
+
+        policy = getattr(getattr(rule, "signal", None), "policy", None)
+        never = spec.get("threshold") == math.inf
+        key = (id(model), id(policy), spec["name"], spec["param"] if spec["name"] == "fixed" else never)
+        entry = self._runtimes.get(key)
+        if entry is None or entry[0] is not model:
+            folder = f"{self._dir}/export-{len(self._runtimes)}"
+            try:
+                export_stop_model(StoppingModel(model, policy), spec, inputs, folder,
+                                  exit_costs=getattr(model, "exit_costs", None))
+            except (ExportError, RuntimeError, TypeError) as e:
+                raise BackendError(f"backend onnxruntime: {type(model).__name__} does not export: "
+                                   f"{str(e).splitlines()[0]}") from None
+            entry = self._runtimes[key] = (model, load(folder, threads=self.threads))
+        return entry[1]
+
+    def __call__(self, model: Any, inputs: Any, rule: Any, **kw) -> Rollout:
+        if kw.get("record_probs") or kw.get("compact_every"):
+            raise BackendError("backend onnxruntime: record_probs and compact_every are options of the torch loop")
+        spec, threshold = rule_export_key(rule, model.num_steps)
+        runtime = self._runtime(model, rule, inputs, spec)
+        device = tree_leaves(inputs)[0].device
+        feeds = ({k: v.detach().cpu().numpy() for k, v in inputs.items()} if isinstance(inputs, dict)
+                 else inputs.detach().cpu().numpy())
+        r = runtime.run(feeds, threshold=threshold)
+        outputs = ({k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in r.outputs.items()}
+                   if isinstance(r.outputs, dict) else torch.from_numpy(r.outputs).to(device))
+        return Rollout(outputs=outputs, stop_times=torch.from_numpy(r.stop_times).to(device), num_steps=r.num_steps)

@@ -1,0 +1,136 @@
+"""Backends: the same early exit in eager torch, under torch.compile and in ONNX Runtime, and the CLI's --backend."""
+import json
+import math
+
+import pytest
+import torch
+
+from learn2stop.backends import BACKENDS, BackendError, CompiledRunner, make_runner, parse_backends
+from learn2stop.core.loop import run_with_early_exit
+from learn2stop.core.rules import (FixedDepth, PolicyRule, PriceSignal, QuantileSignal, SignalRule, StopAtTimes,
+                                   ToleranceRule)
+from learn2stop.core.model import StoppingModel
+from learn2stop.tasks.sparse.models import LISTA
+from learn2stop.tasks.sparse.policy import SparseStopPolicy
+
+
+def _randomise(module, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in module.parameters():
+        p.data = torch.randn(p.shape, generator=g)
+
+
+@pytest.fixture(scope="module")
+def lista():
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(13, 27, generator=g) / 13 ** 0.5
+    policy = SparseStopPolicy(A, 7, "sketch", 4, (8,))
+    _randomise(policy, 1)
+    policy.min_step = 2
+    return StoppingModel(LISTA(A, 7), policy).eval(), torch.randn(64, 13, generator=g)
+
+
+def _rules(sm):
+    return [FixedDepth(), FixedDepth(3), ToleranceRule(0.05), PolicyRule(sm.policy, threshold=0.4),
+            SignalRule(QuantileSignal(sm.policy), QuantileSignal.from_param(0.5)),
+            SignalRule(QuantileSignal(sm.policy), math.inf)]
+
+
+def test_parse_backends_names_the_choices():
+    assert parse_backends(None) == ["torch"] and parse_backends("torch, onnxruntime") == ["torch", "onnxruntime"]
+    for bad in ("tensorrt", "torch,torch", ","):
+        with pytest.raises(BackendError, match="--backend"):
+            parse_backends(bad)
+    assert make_runner("torch") is run_with_early_exit and set(BACKENDS) == {"torch", "compile", "onnxruntime"}
+
+
+def test_onnxruntime_runner_gives_the_torch_loops_stop_times_and_outputs(lista):
+    pytest.importorskip("onnxruntime")
+    sm, y = lista
+    runner = make_runner("onnxruntime")
+    with torch.no_grad():
+        for rule in _rules(sm):
+            ref = run_with_early_exit(sm.model, y, rule)
+            got = runner(sm.model, y, rule)
+            assert torch.equal(got.stop_times, ref.stop_times), type(rule).__name__
+            torch.testing.assert_close(got.outputs, ref.outputs, atol=1e-5, rtol=1e-5)
+        exports = len(runner._runtimes)
+        other = runner(sm.model, y, PolicyRule(sm.policy, threshold=0.7))  # another threshold: the same graphs
+        assert len(runner._runtimes) == exports
+        assert torch.equal(other.stop_times, run_with_early_exit(sm.model, y, PolicyRule(sm.policy, threshold=0.7)).stop_times)
+
+
+def test_onnxruntime_runner_plans_with_a_planning_policy():
+    pytest.importorskip("onnxruntime")
+    from learn2stop.tasks.sparse.policy import SparseDepthPlanner
+
+    g = torch.Generator().manual_seed(4)
+    A = torch.randn(13, 27, generator=g) / 13 ** 0.5
+    planner = SparseDepthPlanner(A, 8, hidden=(16,))
+    planner.min_step = 3  # plans at step 3
+    _randomise(planner, 5)
+    sm, y = StoppingModel(LISTA(A, 8), planner).eval(), torch.randn(40, 13, generator=g)
+    runner = make_runner("onnxruntime")
+    with torch.no_grad():
+        for price in (0.0, 2.0):
+            rule = SignalRule(PriceSignal(planner), PriceSignal.from_param(price))
+            ref, got = run_with_early_exit(sm.model, y, rule), runner(sm.model, y, rule)
+            assert torch.equal(got.stop_times, ref.stop_times)
+            torch.testing.assert_close(got.outputs, ref.outputs, atol=1e-5, rtol=1e-5)
+
+
+def test_onnxruntime_runner_refuses_what_the_runtime_cannot_run(lista):
+    pytest.importorskip("onnxruntime")
+    sm, y = lista
+    runner = make_runner("onnxruntime")
+    with pytest.raises(BackendError, match="sampled"):
+        runner(sm.model, y, PolicyRule(sm.policy, mode="sample"))
+    with pytest.raises(BackendError, match="StopAtTimes"):
+        runner(sm.model, y, StopAtTimes(torch.full((64,), 2)))
+
+
+def test_compiled_runner_matches_eager(lista):
+    sm, y = lista
+    runner = CompiledRunner()
+    with torch.no_grad():
+        for rule in (FixedDepth(), PolicyRule(sm.policy, threshold=0.4)):
+            ref, got = run_with_early_exit(sm.model, y, rule), runner(sm.model, y, rule)
+            assert torch.equal(got.stop_times, ref.stop_times)
+            torch.testing.assert_close(got.outputs, ref.outputs, atol=1e-5, rtol=1e-5)
+    assert len(runner._compiled) == 1  # compiled once per model
+
+
+def test_frontier_measures_every_backend_side_by_side_and_evaluate_runs_on_one(tmp_path, capsys):
+    pytest.importorskip("onnxruntime")
+    from learn2stop.cli import main
+    from tests.test_cli import TINY
+
+    tiny = [*TINY, "--run_aevb", "false", "--run_stage3", "false"]
+    run = tmp_path / "run"
+    assert main(["sparse", "train", "--run-dir", str(run), "--no-progress", *tiny]) == 0
+    assert main(["sparse", "train", "--run-dir", str(run), "--no-progress", "--backend", "onnxruntime", *tiny]) == 2
+    assert "--backend" in capsys.readouterr().err
+    assert main(["sparse", "evaluate", "--run-dir", str(run), "--backend", "torch,onnxruntime", *tiny]) == 2
+    assert "evaluate runs on one backend" in capsys.readouterr().err
+    assert main(["sparse", "frontier", "--run-dir", str(run), "--backend", "tensorrt", *tiny]) == 2
+    assert "tensorrt" in capsys.readouterr().err
+
+    assert main(["sparse", "evaluate", "--run-dir", str(run), "--no-progress", *tiny]) == 0
+    eager = json.loads((run / "results.json").read_text())
+    assert main(["sparse", "evaluate", "--run-dir", str(run), "--no-progress", "--backend", "onnxruntime", *tiny]) == 0
+    onnx = json.loads((run / "results.json").read_text())
+    for label, value in eager["rows"].items():  # the deployed rows come from the runtime: equal quality
+        assert onnx["rows"][label] == pytest.approx(value, abs=1e-3), label
+    assert onnx["depth"] == eager["depth"]  # the same stop times
+
+    assert main(["sparse", "frontier", "--run-dir", str(run), "--no-progress", "--backend", "torch,onnxruntime",
+                 *tiny]) == 0
+    fr = json.loads((run / "frontier.json").read_text())
+    assert fr["backends"] == ["torch", "onnxruntime"] and fr["backend"] == "torch"
+    for name in ("fixed_depth", "tolerance", "policy"):
+        for p in fr["curves"][name]:
+            assert p["speeds"]["onnxruntime"]["samples_per_s_batch1"] > 0
+            assert p["samples_per_s_batch1"] == p["speeds"]["torch"]["samples_per_s_batch1"]
+    assert set(fr["speed_at_quality_by_backend"]["onnxruntime"]) >= {"fixed_depth", "policy"}
+    md = (run / "frontier.md").read_text()
+    assert "backend onnxruntime (speed-ups against baseline at full depth in torch)" in md
