@@ -1,6 +1,6 @@
-"""Inference speed of one stop model four ways, side by side in one process: the plain ``for t`` loop over
-the steps (full depth), ``unroll`` (full depth), ``run_with_early_exit`` with the deployed rule, and the
-exported model in ONNX Runtime (:mod:`learn2stop.runtime`) with the same rule, at batch 1, 64 and a large
+"""Inference speed of one stop model five ways, side by side in one process: the plain ``for t`` loop over
+the steps (full depth), ``unroll`` (full depth), ``run_with_early_exit`` with the deployed rule (synchronising,
+and in device mode: ``compact_every=4``), and the exported model in ONNX Runtime (:mod:`learn2stop.runtime`) with the same rule, at batch 1, 64 and a large
 batch (1000 sparse, 256 classify).
 
     python benchmarks/runtime_speed.py --threads 1                       # random weights, quick sizes
@@ -132,10 +132,14 @@ def variants(sm: StoppingModel, rule, runtime, given: dict | None = None) -> dic
     def early(x):
         return float(run_with_early_exit(m, x, torch_rule(sm, rule)).stop_times.float().mean())
 
+    def device_mode(x):  # no host sync between compactions (a planning rule plans instead: the same loop)
+        return float(run_with_early_exit(m, x, torch_rule(sm, rule), compact_every=4).stop_times.float().mean())
+
     def ort(x):
         return runtime.run(x.numpy()).mean_depth
 
-    ways = {"plain for-t loop": plain, "unroll": full, "run_with_early_exit": early, "ONNX Runtime runner": ort}
+    ways = {"plain for-t loop": plain, "unroll": full, "run_with_early_exit": early,
+            "early exit, device mode (compact every 4)": device_mode, "ONNX Runtime runner": ort}
     if given:
         ways["early exit, stop times given"] = planned
     return ways
