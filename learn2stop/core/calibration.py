@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..utils.config import ConfigError, one_of, require
 from .loop import Rollout
-from .rules import PLANNING_RULES, SIGNALS, PolicyRule, SignalRule, first_crossing, sampled_stop_times
+from .rules import PLANNING_RULES, SIGNALS, PolicyRule, SignalRule, first_crossing, make_signal, sampled_stop_times
 
 POLICY_RULES = ("threshold", "quantile", "price")  # "price" needs a planning policy
 CALIBRATION_FILE = "calibration.json"
@@ -70,12 +70,7 @@ class InferenceConfig:
         return self.sampled or self.rule in POLICY_RULES
 
     def signal(self, policy=None, key=None):
-        cls = SIGNALS[self.rule]
-        if cls.needs_policy:
-            if policy is None:
-                raise ValueError(f"the {self.rule!r} rule needs a stopping policy, but the model has none")
-            return cls(policy)
-        return cls(key)
+        return make_signal(self.rule, policy, key)
 
     def make_rule(self, policy=None, generator: torch.Generator | None = None, key=None):
         """The online stop rule for :func:`~learn2stop.core.loop.run_with_early_exit`."""
@@ -153,8 +148,7 @@ class Calibration:
     test: dict = field(default_factory=dict)
 
     def make_rule(self, policy=None, key=None):
-        return SignalRule(SIGNALS[self.rule](policy) if SIGNALS[self.rule].needs_policy else SIGNALS[self.rule](key),
-                          self.threshold)
+        return SignalRule(make_signal(self.rule, policy, key), self.threshold)
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -34,7 +34,7 @@ from .loop import run_with_early_exit
 from .model import StoppingModel
 from .trees import tree_cat, tree_leaves, tree_map
 from .objectives import MethodConfig, StageConfig
-from .rules import SIGNALS, FixedDepth, SignalRule, first_crossing
+from .rules import SIGNALS, FixedDepth, SignalRule, first_crossing, make_signal
 from .trainer import StagedTrainer, load_finished_stage
 
 
@@ -257,7 +257,7 @@ def stop_model_trace(app: StoppingApp, cfg, sm: StoppingModel, split: str, devic
     """The stop model's trace on a split: per-step metrics, both policy rules' scores and classical signals."""
     signals: dict[str, Callable] = {}
     if sm.policy is not None:
-        signals.update({r: (lambda r=r: SIGNALS[r](sm.policy)) for r in policy_rules(sm.policy)})
+        signals.update({r: (lambda r=r: make_signal(r, sm.policy)) for r in policy_rules(sm.policy)})
     if with_classical:
         signals.update(app.classical_signals(cfg))
     return collect_trace(sm.model, app.eval_batches(cfg, split, device), app.metric(cfg), device, signals=signals,
@@ -284,7 +284,7 @@ def calibrate_command(app: StoppingApp, cfg: Any, run, *, budget: float | None =
     check_policy_rule(rule, sm, "--rule")
     val = stop_model_trace(app, cfg, sm, "val", run.device)
     test = stop_model_trace(app, cfg, sm, "test", run.device)
-    signal = SIGNALS[rule](sm.policy) if SIGNALS[rule].needs_policy else app.classical_signals(cfg)[rule]()
+    signal = make_signal(rule, sm.policy) if SIGNALS[rule].needs_policy else app.classical_signals(cfg)[rule]()
     metric = app.metric(cfg)
     if budget is not None:
         costs = val.costs if app.budget_by == "cost" else torch.arange(1, val.num_steps + 1) / val.num_steps
@@ -331,7 +331,7 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run, *, delta: float = 0.1) -
                 f"(lead {lead:.4g}); nothing to spend, so the configured {app.inference(cfg).rule} rule stays")
         return None
     losses, rng = app.risk_losses(cfg, val)
-    signal = SIGNALS[rule](sm.policy)
+    signal = make_signal(rule, sm.policy)
     costs = val.costs if app.budget_by == "cost" else torch.arange(1, val.num_steps + 1) / val.num_steps
     cal = calibrate_risk(val.signals[rule], losses, lead, delta, rule, costs=costs, loss_range=rng, to_param=signal.to_param)
     cal.target["reference"] = f"{app.baseline_stage} at full depth"
@@ -390,8 +390,8 @@ def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5,
         main = app.inference(cfg).rule if app.inference(cfg).rule in POLICY_RULES else "quantile"
         for rule in (main, *(r for r in policy_rules(sm.policy) if r != main)):
             name = "policy" if rule == main else f"policy_{rule}"
-            curves[name] = budget_curve(test, metric, val, rule, SIGNALS[rule](sm.policy), budgets, app.budget_by)
-            how[name] = (lambda p, r=rule: (lambda: SignalRule(SIGNALS[r](sm.policy), p["threshold"])), sm.model)
+            curves[name] = budget_curve(test, metric, val, rule, make_signal(rule, sm.policy), budgets, app.budget_by)
+            how[name] = (lambda p, r=rule: (lambda: SignalRule(make_signal(r, sm.policy), p["threshold"])), sm.model)
     curves["oracle"] = oracle_curve(test, metric)
     full = _point(test, metric, torch.full((N,), T, dtype=torch.long))
     run.log(f"frontier: traces of {N} test samples in {time.perf_counter() - t0:.1f}s; measuring speeds")
@@ -405,7 +405,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5,
         jobs = [(full, lambda: FixedDepth(), sm.model)]
         asked: dict = {}
         if sm.policy is not None:  # the policy's own cost: asked at every step, never stopping
-            jobs.append((asked, lambda: SignalRule(SIGNALS["quantile"](sm.policy), math.inf), sm.model))
+            jobs.append((asked, lambda: SignalRule(make_signal("quantile", sm.policy), math.inf), sm.model))
         jobs += [(p, how[name][0](p), how[name][1]) for name, pts in curves.items() if name in how for p in pts]
         # Round-robin passes, best of three per point: a drift in the machine's load hits every point alike.
         for bname, runner in runners.items():

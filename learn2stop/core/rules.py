@@ -260,6 +260,19 @@ SIGNALS: dict[str, type] = {c.name: c for c in (PolicySignal, QuantileSignal, Pr
 PLANNING_RULES = ("price",)
 
 
+def make_signal(name: str, policy: nn.Module | None = None, key: str | Callable | None = None) -> StopSignal:
+    """The stop signal called ``name`` (see :data:`SIGNALS`): a policy rule's on ``policy``, a classical
+    one's on the output (``key``: which part of it). The one place a signal is built from its name."""
+    if name not in SIGNALS:
+        raise ValueError(f"unknown stop rule {name!r}; choose one of {', '.join(SIGNALS)}")
+    cls = SIGNALS[name]
+    if cls.needs_policy:
+        if policy is None:
+            raise ValueError(f"the {name!r} rule needs a stopping policy, but the model has none")
+        return cls(policy)
+    return cls(key)
+
+
 class SignalRule:
     """Stop a sample at the first step whose signal reaches ``threshold`` (in score units).
 
