@@ -55,13 +55,22 @@ class StopSignal:
 
 
 class _Stateful(StopSignal):
-    """A signal with per-sample memory, indexed by the sample's position in the original batch."""
+    """A signal with per-sample memory, indexed by the sample's position in the original batch (or its slot
+    in a stream). The rows asked at the signal's first step start afresh; the others keep their memory, so
+    samples at different steps may share the signal (the streaming runner's per-step batches)."""
 
     def _state(self, view: StepView, init: Callable[[int], Tensor]) -> Tensor:
-        if view.t <= self.first_step or getattr(self, "_memory", None) is None:
-            size = int(view.index.max()) + 1 if view.index.numel() else 0
-            self._memory = init(size)
-        return self._memory
+        mem = getattr(self, "_memory", None)
+        if view.t <= self.first_step or mem is None:
+            need = int(view.index.max()) + 1 if view.index.numel() else 0
+            if mem is None or mem.shape[0] < need:
+                grown = init(need)
+                if mem is not None:
+                    grown[:mem.shape[0]] = mem
+                self._memory = mem = grown
+            if view.t <= self.first_step:
+                mem[view.index] = init(view.index.numel())
+        return mem
 
 
 class _PolicyBased(StopSignal):
