@@ -27,7 +27,7 @@ from ...utils.report import markdown_table, write_json
 from ..base import RunContext, TaskSpec, as_run, register_task, train_pipeline
 from .models import FISTA, ISTA, LISTA
 from .policy import SparseDepthPlanner, SparseStopPolicy
-from .problem import ProblemConfig, SparseBatch
+from .problem import ProblemConfig, SparseBatch, db_ratio, nmse_from_errors
 from .task import SparseRecoveryTask
 
 PAPER_TABLE1 = {  # Table 1 of the paper: NMSE (dB) mixed / 20 / 30 / 40
@@ -309,7 +309,7 @@ class SparseApp(StoppingApp):
 
     def metric(self, cfg) -> Metric:
         return Metric("NMSE (dB)", SparseRecoveryTask.loss_fn, lower_is_better=True,
-                      aggregate=lambda v, ex: 10 * torch.log10(v.double().sum() / ex["energy"].double().sum()))
+                      aggregate=lambda v, ex: db_ratio(v.double().sum(), ex["energy"].double().sum()))
 
     def trace_extras(self, cfg):
         return lambda y, x: {"energy": x.pow(2).sum(dim=1)}
@@ -361,7 +361,7 @@ def tune_classical(cfg: SparseConfig, task: SparseRecoveryTask, algorithm: str, 
         y, x = data.y.repeat(len(part), 1).to(device), data.x.repeat(len(part), 1).to(device)
         errs = unroll(cls(task.A, depths[-1], L, rho).to(device), y, target=x, loss_fn=SparseRecoveryTask.loss_fn).losses
         errs = errs.view(len(part), N, -1)[:, :, [d - 1 for d in depths]].sum(1).cpu()  # (chunk, depths)
-        scores.append(torch.nan_to_num(10 * torch.log10(errs / energy), nan=float("inf")))
+        scores.append(torch.nan_to_num(db_ratio(errs, energy), nan=float("inf")))
     scores = torch.cat(scores)
     best = {}
     for j, d in enumerate(depths):
@@ -392,17 +392,17 @@ def evaluate(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
         for depth in cfg.classical.depths:
             errs = per_step(cls(task.A, depth, tuned[depth]["L"], tuned[depth]["rho"]).to(dev))
             results["classical"][f"{algo} (T={depth})"] = tuned[depth]
-            results["rows"][f"{algo} (T={depth})"] = _nmse_from_errors(errs[:, -1], test)
+            results["rows"][f"{algo} (T={depth})"] = nmse_from_errors(errs[:, -1], test)
             if depth == max(cfg.classical.depths):
                 curves[algo] = _curve(errs, test)
     run.log(f"classical baselines tuned and evaluated in {time.perf_counter() - t0:.1f}s")
 
     errs = per_step(load_stage(APP, cfg, run.run_dir, "baseline", dev).model)
-    results["rows"][f"LISTA (T={T})"] = _nmse_from_errors(errs[:, -1], test)
+    results["rows"][f"LISTA (T={T})"] = nmse_from_errors(errs[:, -1], test)
     curves["LISTA"] = _curve(errs, test)
     if cfg.equal_budget:
         errs_eq = per_step(load_stage(APP, cfg, run.run_dir, "lista_equal", dev).model)
-        results["rows"][f"LISTA (T={T}), equal budget"] = _nmse_from_errors(errs_eq[:, -1], test)
+        results["rows"][f"LISTA (T={T}), equal budget"] = nmse_from_errors(errs_eq[:, -1], test)
 
     stop_models = {"Stage I+II": "stage2", "Stage I+II+III": "stage3" if cfg.run_stage3 else None,
                    "AEVB": "aevb" if cfg.run_aevb else None}
@@ -415,7 +415,7 @@ def evaluate(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
                                    generator=torch.Generator().manual_seed(cfg.seed))
         r = evaluate_rule(sm.model, batches, lambda: rule, metric, dev, extras=APP.trace_extras(cfg), runner=run.runner)
         times = r["stop_times"]
-        results["rows"][label] = _nmse_from_errors(r["values"], test)
+        results["rows"][label] = nmse_from_errors(r["values"], test)
         results["depth"][label] = {"mean": float(times.float().mean()),
                                    **{f"{s:g}": float(times[test.snr == s].float().mean()) for s in cfg.problem.snrs}}
         if stage == "stage2":
@@ -427,12 +427,12 @@ def evaluate(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
                 other = f"LISTA-stop, {inf.rule} {inf.param:g}"
                 r2 = evaluate_rule(sm.model, batches, lambda: inf.make_rule(sm.policy), metric, dev, runner=run.runner,
                                    extras=APP.trace_extras(cfg))
-                results["rows"][other] = _nmse_from_errors(r2["values"], test)
+                results["rows"][other] = nmse_from_errors(r2["values"], test)
                 results["depth"][other] = {"mean": r2["mean_steps"], **{f"{s:g}": float(r2["stop_times"][test.snr == s]
                                                                        .float().mean()) for s in cfg.problem.snrs}}
             trace = stop_model_trace(APP, cfg, sm, "test", dev, with_classical=False)
             errs_main, q_main = trace.metric, stop_time_distribution(trace.signals["threshold"].clamp_min(0))  # pi_t -> q_phi (-inf: not asked)
-            results["oracle_nmse"] = _nmse_from_errors(errs_main.min(dim=1).values, test)  # needs x*: a bound
+            results["oracle_nmse"] = nmse_from_errors(errs_main.min(dim=1).values, test)  # needs x*: a bound
             results["min_step"] = int(sm.policy.min_step)
 
     results["training_curve"] = training_curves(cfg, run.run_dir)
@@ -468,18 +468,9 @@ def reproduce(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _nmse_from_errors(errs: torch.Tensor, data: SparseBatch) -> dict[str, float]:
-    """NMSE (dB), mixed and per SNR, from per-sample squared errors (N,): the ratio of sums of App. B.1."""
-    out = {"mixed": float(10 * torch.log10(errs.sum() / data.x.pow(2).sum()))}
-    for s in data.snr.unique().tolist():
-        m = data.snr == s
-        out[f"{s:g}"] = float(10 * torch.log10(errs[m].sum() / data.x[m].pow(2).sum()))
-    return out
-
-
 def _curve(errs: torch.Tensor, data: SparseBatch) -> list[float]:
     """NMSE (dB) of every step over the whole set."""
-    return (10 * torch.log10(errs.sum(0) / data.x.pow(2).sum())).tolist()
+    return db_ratio(errs.sum(0), data.x.pow(2).sum()).tolist()
 
 
 def _tables(results: dict, cfg: SparseConfig) -> tuple[str, str]:
