@@ -140,6 +140,31 @@ class StoppingApp:
         return int(getattr(cfg, "seed", 0))
 
 
+class MinStep:
+    """Mixin for a policy module asked only from its ``min_step`` (see :func:`oracle_min_step`), which its
+    checkpoint keeps: ``class MyPolicy(MinStep, nn.Module)``."""
+
+    min_step: int = 1
+
+    def get_extra_state(self) -> dict:
+        return {"min_step": int(self.min_step)}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.min_step = int(state["min_step"])
+
+
+def min_step_hook(min_mass: Callable[[Any], float], cap: bool = False) -> Callable:
+    """A stage's ``before`` hook that sets the stop model's ``policy.min_step`` by :func:`oracle_min_step` from
+    the config's ``min_mass(cfg)`` (``cap``: at most T - 1, so that the policy is asked at least once)."""
+    def hook(models, app, cfg, run):
+        sm = models["stop"]
+        sm.policy.min_step = oracle_min_step(sm, app.training_task(cfg, "stop", sm), app.method(cfg), min_mass(cfg),
+                                             run.device, last=sm.num_steps - 1 if cap else None)
+        if sm.policy.min_step > 1:
+            run.log(f"      policy asked from step {sm.policy.min_step} (oracle mass below {min_mass(cfg)} before it)")
+    return hook
+
+
 @torch.no_grad()
 def oracle_min_step(sm: StoppingModel, task: Any, method: MethodConfig, min_mass: float, device, last: int | None = None) -> int:
     """First step whose mean validation oracle mass (with the method's prior and price) exceeds ``min_mass``.

@@ -22,7 +22,7 @@ import torch
 
 from ...core import FixedDepth, Metric, StoppingModel, derive_seed, run_with_early_exit
 from ...core.evaluation import collect_trace, evaluate_rule
-from ...core.pipeline import Stage, StoppingApp, check_config, deploy_calibration, deployed_rule, load_stage, oracle_min_step
+from ...core.pipeline import Stage, StoppingApp, check_config, deploy_calibration, deployed_rule, load_stage, min_step_hook
 from ...core.rules import ToleranceSignal
 from ...utils.config import ConfigError, to_dict
 from ...utils.report import write_json
@@ -90,13 +90,7 @@ class DenoiseApp(StoppingApp):
                 models[key].model.load_backbone(models["baseline"].model)
             return hook
 
-        def min_step(models, app, cfg, run):
-            sm = models["stop"]
-            sm.policy.min_step = oracle_min_step(sm, self.task(cfg), app.method(cfg), cfg.model.policy_min_mass, run.device,
-                                                   last=sm.num_steps - 1)
-            if sm.policy.min_step > 1:
-                run.log(f"      policy asked from exit {sm.policy.min_step} (oracle mass below "
-                        f"{cfg.model.policy_min_mass} before it)")
+        min_step = min_step_hook(lambda c: c.model.policy_min_mass, cap=True)
 
         heads = cfg.heads.iterations > 0
         stages = [Stage("baseline", "baseline", cfg.baseline, describe="DnCNN, last-layer loss"),

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ...core.pipeline import MinStep
+
 #: elementwise operations per pixel of one call (copies, differences, absolute values, products, means).
 FLOPS_PER_PIXEL = 40
 NUM_FEATURES = 8
@@ -44,7 +46,7 @@ def image_statistics(inputs: Tensor, output: Tensor, eps: float = 1e-6) -> Tenso
     return torch.cat([rough, stats], dim=1).add(eps).log()
 
 
-class DenoisePolicy(nn.Module):
+class DenoisePolicy(MinStep, nn.Module):
     """pi_t = sigmoid(MLP(statistics(x, o_t)) + step bias); one network for every exit.
 
     Args:
@@ -74,12 +76,6 @@ class DenoisePolicy(nn.Module):
     def macs_per_pixel() -> float:
         """Cost of one call in multiply-accumulates per pixel (two flops each)."""
         return FLOPS_PER_PIXEL / 2
-
-    def get_extra_state(self) -> dict:
-        return {"min_step": int(self.min_step)}
-
-    def set_extra_state(self, state: dict) -> None:
-        self.min_step = int(state["min_step"])
 
     def forward(self, inputs: Tensor, output: Tensor, t: int) -> Tensor:
         h = self.first(self.norm(image_statistics(inputs, output))) + self.step_bias[t - 1]  # (B, hidden)

@@ -20,7 +20,7 @@ from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, Stopping
 from ...core.evaluation import collect_trace, evaluate_rule
 from ...core.loop import unroll
 from ...core.pipeline import (Stage, StoppingApp, check_config, deploy_calibration, deployed_rule, load_stage,
-                              oracle_min_step, stop_model_trace)
+                              min_step_hook, stop_model_trace)
 from ...core.rules import ToleranceSignal
 from ...utils.config import from_dict, merge, non_empty, one_of, positive, positive_int, require, to_dict
 from ...utils.report import markdown_table, write_json
@@ -282,10 +282,7 @@ class SparseApp(StoppingApp):
         return self.task(cfg)
 
     def stages(self, cfg: SparseConfig) -> list[Stage]:
-        def min_step(models, app, cfg, run):
-            sm = models["stop"]
-            sm.policy.min_step = oracle_min_step(sm, self.task(cfg), app.method(cfg), cfg.policy.min_mass, run.device)
-            run.log(f"      policy evaluated from step {sm.policy.min_step} (oracle mass below {cfg.policy.min_mass} before it)")
+        min_step = min_step_hook(lambda c: c.policy.min_mass)
 
         stages = [Stage("baseline", "baseline", cfg.baseline, describe="LISTA: sum_t gamma^(T-t) ||x_t - x*||^2"),
                   Stage("stage1", "stop", cfg.stage1, init_from="baseline" if cfg.stage1_init == "baseline" else None,

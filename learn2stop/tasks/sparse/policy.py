@@ -24,8 +24,10 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ...core.pipeline import MinStep
 
-class SparseStopPolicy(nn.Module):
+
+class SparseStopPolicy(MinStep, nn.Module):
     """pi_phi for LISTA-stop; see the module docstring for the two feature sets.
 
     Args:
@@ -66,12 +68,6 @@ class SparseStopPolicy(nn.Module):
             layers += [nn.ELU(), nn.Linear(widths[-1], 1)]
         self.rest = nn.Sequential(*layers)
 
-    def get_extra_state(self) -> dict:
-        return {"min_step": int(self.min_step)}
-
-    def set_extra_state(self, state: dict) -> None:
-        self.min_step = int(state["min_step"])
-
     def extract(self, y: Tensor, x: Tensor, t: int) -> Tensor:
         """The feature vector of each sample at step t; shape (B, in_dim)."""
         if self.features == "full":
@@ -91,7 +87,7 @@ class SparseStopPolicy(nn.Module):
         return self.rest(h).squeeze(1)
 
 
-class SparseDepthPlanner(nn.Module):
+class SparseDepthPlanner(MinStep, nn.Module):
     """q_phi(t | y, x_s) for t = 1..T from the state at step s = ``plan_step``: a planning policy.
 
     Features (8 per sample, computed once): log ||y||, log ||r|| and log ||A^T r|| with r = y - A x_s
@@ -130,12 +126,6 @@ class SparseDepthPlanner(nn.Module):
     def plan_step(self) -> int:
         """The step at which the depth is planned (``min_step``: the oracle never stops before it)."""
         return self.min_step
-
-    def get_extra_state(self) -> dict:
-        return {"min_step": int(self.min_step)}
-
-    def set_extra_state(self, state: dict) -> None:
-        self.min_step = int(state["min_step"])
 
     def extract(self, y: Tensor, x: Tensor) -> Tensor:
         """The (B, 8) features of the state x = x_s."""
