@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -176,6 +176,11 @@ class StageConfig:
     def model_log_prior(self, model: Any, device=None) -> Tensor | None:
         """:meth:`log_prior` with the step-wise model's own costs (``exit_costs``)."""
         return self.log_prior(model.num_steps, device, exit_costs(model))
+
+
+def stage_field(**kw: Any) -> Any:
+    """A config's stage section: ``stage1: StageConfig = stage_field(objective="stage1", lr=1e-4)``."""
+    return field(default_factory=lambda: StageConfig(**kw))
 
 
 class NonFiniteError(FloatingPointError, ValueError):

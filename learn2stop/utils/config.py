@@ -426,3 +426,10 @@ def _blame_objective(cls: type, data: dict, layers: tuple, error: ConfigError) -
     objective = _get(data, section + ["objective"])
     return ConfigError(f"{'.'.join(section)}.objective: {objective!r} does not take the variant "
                        f"{_get(data, section + ['variant'])!r} this section has; give its variant too ({error})")
+
+
+def preset_config(cls: type, presets: dict[str, dict], name: str, task: str, **overrides: Any) -> Any:
+    """The config ``cls`` of preset ``name`` (a partial dict over the defaults), with nested overrides (dicts)."""
+    if name not in presets:
+        raise KeyError(f"unknown {task} preset {name!r}; available: {', '.join(presets)}")
+    return from_dict(cls, merge(merge(to_dict(cls()), presets[name]), overrides))

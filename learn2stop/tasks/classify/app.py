@@ -25,6 +25,7 @@ from torch.nn import functional as F
 
 from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, derive_seed
 from ...core.evaluation import collect_trace, evaluate_rule
+from ...core.objectives import stage_field
 from ...core.pipeline import Stage, StoppingApp, check_config, deployed_rule, load_stage, stop_model_trace
 from ...core.rules import SIGNALS, ConfidenceSignal, EntropySignal, PatienceSignal, first_crossing
 from ...core.calibration import calibrate_budget
@@ -97,7 +98,7 @@ def _stage(**kw):
     # held the quick network at 48 %: with Adam it acts far more strongly than with SGD)
     base = dict(iterations=60_000, batch_size=128, lr=1e-3, weight_decay=5e-5, lr_schedule="cosine", warmup=50,
                 eval_every=1000, checkpoint_every=1000)
-    return field(default_factory=lambda: StageConfig(**{**base, **kw}))
+    return stage_field(**{**base, **kw})
 
 
 @dataclass

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from ...core import InferenceConfig, MethodConfig, StageConfig, derive_seed
-from ...utils.config import from_dict, int_at_least, ints_at_least, merge, non_negative, one_of, positive, require, to_dict
+from ...core.objectives import stage_field
+from ...utils.config import int_at_least, ints_at_least, non_negative, one_of, positive, preset_config, require
 from .data import ImageDataError, PatchBank, add_noise, load_folder, sample_sigmas, synthetic_images
 
 
@@ -119,9 +120,6 @@ class DenoiseCommandConfig:
         non_negative(self.add_sigma, "denoise.add_sigma")
 
 
-def _stage(**kw) -> Any:
-    return field(default_factory=lambda: StageConfig(**kw))
-
 
 @dataclass
 class DenoiseAppConfig:
@@ -138,19 +136,19 @@ class DenoiseAppConfig:
     method: MethodConfig = field(default_factory=lambda: MethodConfig(beta=0.1))
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     # DnCNN pre-training: 50 epochs of ~403k patches at batch 256 = 78.7k iterations, lr 1e-3, /10 at half
-    baseline: StageConfig = _stage(objective="deep_supervision", iterations=78700, batch_size=256, lr=1e-3,
+    baseline: StageConfig = stage_field(objective="deep_supervision", iterations=78700, batch_size=256, lr=1e-3,
                                    lr_schedule="step", lr_decay_at=(0.5,), eval_every=1000, checkpoint_every=1000)
     # fresh exits on the frozen pre-trained backbone (ours: the oracle never picks an untrained exit)
-    heads: StageConfig = _stage(objective="deep_supervision", iterations=5000, batch_size=256, lr=1e-3, select="none",
+    heads: StageConfig = stage_field(objective="deep_supervision", iterations=5000, batch_size=256, lr=1e-3, select="none",
                                 eval_every=1000, checkpoint_every=1000)
     # Stage I fine-tuning: 50 epochs, lr 1e-4, oracle q*(t) ~ exp(-(SSE_t + price c_t) / beta)
-    stage1: StageConfig = _stage(objective="stage1", variant="marginal", iterations=78700, batch_size=256, lr=1e-4,
+    stage1: StageConfig = stage_field(objective="stage1", variant="marginal", iterations=78700, batch_size=256, lr=1e-4,
                                  select="none", eval_every=1000, checkpoint_every=1000)
     # Stage II policy; validation scores ignore the price, so the last weights are kept
-    stage2: StageConfig = _stage(objective="stage2", variant="forward_kl", iterations=20000, batch_size=256, lr=1e-3,
+    stage2: StageConfig = stage_field(objective="stage2", variant="forward_kl", iterations=20000, batch_size=256, lr=1e-3,
                                  select="none", eval_every=1000, checkpoint_every=1000)
     # optional Stage III (0 iterations = skipped)
-    stage3: StageConfig = _stage(objective="stage3", iterations=0, batch_size=64, lr=1e-5, select="none",
+    stage3: StageConfig = stage_field(objective="stage3", iterations=0, batch_size=64, lr=1e-5, select="none",
                                  eval_every=500, checkpoint_every=500)
     eval: EvalConfig = field(default_factory=EvalConfig)
     denoise: DenoiseCommandConfig = field(default_factory=DenoiseCommandConfig)
@@ -190,9 +188,7 @@ PRESETS: dict[str, dict] = {
 
 def preset(name: str = "quick", **overrides: Any) -> DenoiseAppConfig:
     """The config of a named preset, with optional nested overrides (dicts)."""
-    if name not in PRESETS:
-        raise KeyError(f"unknown denoise preset {name!r}; available: {', '.join(PRESETS)}")
-    return from_dict(DenoiseAppConfig, merge(merge(to_dict(DenoiseAppConfig()), PRESETS[name]), overrides))
+    return preset_config(DenoiseAppConfig, PRESETS, name, "denoise", **overrides)
 
 
 # ----------------------------------------------------------------------------- images

@@ -18,10 +18,11 @@ import torch
 
 from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, ToleranceSignal
 from ...core.evaluation import collect_trace, evaluate_rule
+from ...core.objectives import stage_field
 from ...core.rules import FixedDepth
 from ...core.pipeline import Stage, StoppingApp, check_config, deploy_calibration, deployed_rule, load_stage
 from ...core.trainer import derive_seed
-from ...utils.config import from_dict, ints_at_least, merge, require, to_dict
+from ...utils.config import ints_at_least, preset_config, require, to_dict
 from ...utils.report import write_json
 from ..base import RunContext, as_run, train_pipeline
 from .models import ModelConfig, build, loss_kind, query_metric, step_view
@@ -45,8 +46,8 @@ class EvalConfig:
 
 
 def _stage(**kw) -> Any:
-    return field(default_factory=lambda: StageConfig(**{"batch_size": 10, "lr": 1e-3, "iterations": 60000,
-                                                        "eval_every": 500, "checkpoint_every": 500, **kw}))
+    return stage_field(**{"batch_size": 10, "lr": 1e-3, "iterations": 60000, "eval_every": 500, "checkpoint_every": 500,
+                          **kw})
 
 
 @dataclass
@@ -118,9 +119,7 @@ PRESETS: dict[str, dict] = {
 
 def preset(name: str = "quick", **overrides: Any) -> MAMLConfig:
     """The config of a named preset, with optional nested overrides (dicts)."""
-    if name not in PRESETS:
-        raise KeyError(f"unknown maml preset {name!r}; available: {', '.join(PRESETS)}")
-    return from_dict(MAMLConfig, merge(merge(to_dict(MAMLConfig()), PRESETS[name]), overrides))
+    return preset_config(MAMLConfig, PRESETS, name, "maml", **overrides)
 
 
 # ----------------------------------------------------------------------------- the task for the core pipeline

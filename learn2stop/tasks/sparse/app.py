@@ -18,11 +18,12 @@ import torch
 
 from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, stop_time_distribution
 from ...core.evaluation import collect_trace, evaluate_rule
+from ...core.objectives import stage_field
 from ...core.loop import unroll
 from ...core.pipeline import (Stage, StoppingApp, check_config, deploy_calibration, deployed_rule, load_stage,
                               min_step_hook, stop_model_trace)
 from ...core.rules import ToleranceSignal
-from ...utils.config import from_dict, merge, non_empty, one_of, positive, positive_int, require, to_dict
+from ...utils.config import merge, non_empty, one_of, positive, positive_int, preset_config, require, to_dict
 from ...utils.report import markdown_table, write_json
 from ..base import RunContext, TaskSpec, as_run, register_task, train_pipeline
 from .models import FISTA, ISTA, LISTA
@@ -102,9 +103,6 @@ class ClassicalConfig:
         require(self.tune_samples >= 1, "tune_samples", "must be >= 1")
 
 
-def _stage(**kw) -> Any:
-    return field(default_factory=lambda: StageConfig(**kw))
-
 
 @dataclass
 class SparseConfig:
@@ -124,15 +122,15 @@ class SparseConfig:
     method: MethodConfig = field(default_factory=lambda: MethodConfig(beta=0.28))
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     classical: ClassicalConfig = field(default_factory=ClassicalConfig)
-    baseline: StageConfig = _stage(objective="deep_supervision", gamma=1.0, iterations=100_000, batch_size=512,
+    baseline: StageConfig = stage_field(objective="deep_supervision", gamma=1.0, iterations=100_000, batch_size=512,
                                    lr=1e-4, weight_decay=1e-4, eval_every=1000, checkpoint_every=1000)
-    stage1: StageConfig = _stage(objective="stage1", variant="expected", iterations=50_000, batch_size=1024,
+    stage1: StageConfig = stage_field(objective="stage1", variant="expected", iterations=50_000, batch_size=1024,
                                  lr=1e-4, weight_decay=1e-4, eval_every=1000, checkpoint_every=1000)
-    stage2: StageConfig = _stage(objective="stage2", variant="forward_kl", iterations=40_000, batch_size=256,
+    stage2: StageConfig = stage_field(objective="stage2", variant="forward_kl", iterations=40_000, batch_size=256,
                                  lr=1e-3, weight_decay=1e-4, eval_every=1000, checkpoint_every=1000)
-    stage3: StageConfig = _stage(objective="stage3", iterations=10_000, batch_size=1024,
+    stage3: StageConfig = stage_field(objective="stage3", iterations=10_000, batch_size=1024,
                                  lr=1e-5, weight_decay=1e-4, eval_every=1000, checkpoint_every=1000)
-    aevb: StageConfig = _stage(objective="aevb", iterations=50_000, batch_size=1024,
+    aevb: StageConfig = stage_field(objective="aevb", iterations=50_000, batch_size=1024,
                                lr=1e-4, weight_decay=1e-4, eval_every=1000, checkpoint_every=1000)
     stage1_init: str = "ista"
     aevb_init: str = "ista"
@@ -246,9 +244,7 @@ PRESETS["release"] = merge(PRESETS["paper"], {
 
 def preset(name: str = "quick", **overrides: Any) -> SparseConfig:
     """The config of a named preset, with optional nested overrides (dicts)."""
-    if name not in PRESETS:
-        raise KeyError(f"unknown sparse preset {name!r}; available: {', '.join(PRESETS)}")
-    return from_dict(SparseConfig, merge(merge(to_dict(SparseConfig()), PRESETS[name]), overrides))
+    return preset_config(SparseConfig, PRESETS, name, "sparse", **overrides)
 
 
 # ----------------------------------------------------------------------------- the pipeline
