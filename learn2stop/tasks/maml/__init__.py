@@ -1,12 +1,8 @@
-"""MAML-stop: task-imbalanced few-shot learning with a learned number of adaptation steps (Sec. 5.2)."""
-from ..base import TaskSpec, register_task
-from .app import APP, PRESETS, MAMLConfig, evaluate, preset, reproduce, train
+"""MAML-stop: task-imbalanced few-shot learning with a learned number of adaptation steps (Sec. 5.2).
 
-SPEC = register_task(TaskSpec(
-    name="maml",
-    description="MAML-stop: meta-learning with a learned number of inner steps per task (Sec. 5.2)",
-    config_class=MAMLConfig,
-    presets=PRESETS,
-    commands={"train": train, "evaluate": evaluate, "reproduce": reproduce},
-    app=APP,
-))
+:mod:`.app` holds the config, presets, the :class:`~learn2stop.core.pipeline.StoppingApp` and the commands, and
+registers the task, as every task does.
+"""
+from .app import APP, PRESETS, SPEC, MAMLConfig, evaluate, preset, reproduce, train
+
+__all__ = ["APP", "PRESETS", "SPEC", "MAMLConfig", "evaluate", "preset", "reproduce", "train"]

@@ -24,7 +24,7 @@ from ...core.pipeline import Stage, StoppingApp, check_config, deploy_calibratio
 from ...core.trainer import derive_seed
 from ...utils.config import ints_at_least, preset_config, require, to_dict
 from ...utils.report import write_json
-from ..base import RunContext, as_run, train_pipeline
+from ..base import RunContext, TaskSpec, as_run, register_task, train_pipeline
 from .models import ModelConfig, build, loss_kind, query_metric, step_view
 from .task import (Data, DataConfig, MetaLearningTask, fixed_batches, plot_stop_by_shot, results_markdown,
                    stop_steps_by_shot, summarize, to_device)
@@ -252,3 +252,13 @@ def reproduce(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
     train(cfg, run)
     deploy_calibration(APP, cfg, run)
     return evaluate(cfg, run)
+
+
+SPEC = register_task(TaskSpec(
+    name="maml",
+    description="MAML-stop: meta-learning with a learned number of inner steps per task (Sec. 5.2)",
+    config_class=MAMLConfig,
+    presets=PRESETS,
+    commands={"train": train, "evaluate": evaluate, "reproduce": reproduce},
+    app=APP,
+))
