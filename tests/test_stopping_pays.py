@@ -9,7 +9,7 @@ from torch import nn
 from learn2stop.core import (ConfidenceSignal, EntropySignal, InferenceConfig, MethodConfig, PatienceSignal,
                              PolicySignal, QuantileSignal, SignalRule, StageConfig, StagedTrainer, StoppingModel,
                              ToleranceSignal, calibrate_budget, calibrate_risk, exit_costs, first_crossing,
-                             log_cost_oracle_distribution, log_cost_prior, log_oracle_distribution, run_with_early_exit,
+                             log_cost_prior, log_oracle_distribution, run_with_early_exit,
                              signal_trace, unroll, validation_scores)
 from learn2stop.core.calibration import mean_cost_curve, policy_scores
 from learn2stop.utils.config import ConfigError
@@ -50,6 +50,11 @@ class Pol(nn.Module):
 def sm():
     torch.manual_seed(0)
     return StoppingModel(Toy(), Pol()).eval()
+
+
+def log_cost_oracle_distribution(losses, beta, costs, price):
+    """log q*(t) proportional to exp(-(loss_t + price * c_t) / beta), written out directly."""
+    return torch.log_softmax(-(losses + price * costs) / beta, dim=1)
 
 
 def test_cost_aware_oracle_equals_the_prior_form():

@@ -15,7 +15,7 @@ from .rules import FixedDepth, PolicyRule, StopAtTimes, ToleranceRule, threshold
 from .model import StoppingModel
 from .calibration import (Calibration, InferenceConfig, calibrate_budget, calibrate_risk, load_calibration,
                           save_calibration)
-from .distributions import exit_costs, log_cost_oracle_distribution, log_cost_prior
+from .distributions import exit_costs, log_cost_prior
 from .evaluation import Metric, Trace, collect_trace, evaluate_rule
 from .exits import ExitNetwork, attach_exits, sdn_exit_points
 from .objectives import OBJECTIVES, MethodConfig, StageConfig, StageObjective
@@ -55,7 +55,6 @@ __all__ = [
     "save_calibration",
     "exit_costs",
     "log_cost_prior",
-    "log_cost_oracle_distribution",
     "Metric",
     "Trace",
     "collect_trace",

@@ -229,17 +229,6 @@ def log_cost_prior(costs: Tensor, price: float, beta: float) -> Tensor:
     return torch.log_softmax(-price * costs.float() / beta, dim=0)
 
 
-def log_cost_oracle_distribution(losses: Tensor, beta: float, costs: Tensor, price: float,
-                                 log_prior: Tensor | None = None) -> Tensor:
-    """log q*(t) proportional to exp(-(loss_t + price * c_t) / beta) p(t), written out directly; (B, T)."""
-    _check_steps("losses", losses)
-    _check_beta(beta)
-    scores = -(losses + price * _broadcast_prior(costs, losses)) / beta
-    if log_prior is not None:
-        scores = scores + _broadcast_prior(log_prior, losses)
-    return torch.log_softmax(scores, dim=1)
-
-
 def _broadcast_prior(log_prior: Tensor, like: Tensor) -> Tensor:
     if log_prior.dim() == 1:
         log_prior = log_prior.unsqueeze(0)
