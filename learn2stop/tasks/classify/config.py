@@ -1,0 +1,126 @@
+"""The classify config: data, network, stages, the quick / cifar / paper presets."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...core import InferenceConfig, MethodConfig, StageConfig
+from ...core.objectives import stage_field
+from ...utils.config import int_at_least, one_of, require
+from .data import list_datasets
+from .models import ARCHS
+
+SOURCES = ("synthetic", *list_datasets())
+
+
+@dataclass
+class DataConfig:
+    """The images. ``synthetic``: generated class-coded textures (no data needed; tests and demos)."""
+
+    kind: str = "tiny_imagenet"
+    path: str = "data/tiny-imagenet-200"
+    size: int = 64
+    val_fraction: float = 0.1
+    augment: bool = True
+    synthetic_per_class: int = 60
+    synthetic_classes: int = 4
+
+    def __post_init__(self):
+        one_of(self.kind, SOURCES, "data.kind")
+        require(0 < self.val_fraction < 1, "data.val_fraction", f"must be in (0, 1); got {self.val_fraction}")
+        int_at_least(self.size, "data.size", 8)
+        int_at_least(self.synthetic_classes, "data.synthetic_classes", 2)  # one class: nothing to classify
+        require(self.kind == "synthetic" or self.path != "", "data.path", f"needed for data.kind = {self.kind}")
+
+
+@dataclass
+class ModelConfig:
+    """The network: an architecture of :func:`~learn2stop.tasks.classify.models.list_archs`, exits attached.
+
+    ic_positions: exits after these candidates (1-based; VGG: conv layers, ResNet: residual blocks);
+        () = the architecture's own (SDN's FLOP-based placement unless it fixes its own).
+    fc_width: VGG's hidden classifier width; -1 = the architecture's, 0 = one linear layer on pooled features.
+    width: a ResNet's first-stage channels (the other stages scale with it); 0 = the architecture's.
+    """
+
+    arch: str = "vgg16"
+    ic_positions: tuple[int, ...] = ()
+    fc_width: int = -1
+    dropout: float = 0.5
+    width: int = 0
+    policy_hidden: int = 32
+
+    def __post_init__(self):
+        one_of(self.arch, ARCHS.names(), "model.arch")
+        require(self.fc_width >= -1, "model.fc_width", f"must be >= 0 (or -1: the architecture's); got {self.fc_width}")
+        require(self.width >= 0, "model.width", f"must be >= 0; got {self.width}")
+        require(0 <= self.dropout < 1, "model.dropout", f"must be in [0, 1); got {self.dropout}")
+        require(self.policy_hidden >= 1, "model.policy_hidden", f"must be >= 1; got {self.policy_hidden}")
+
+
+@dataclass
+class PredictConfig:
+    input: str = ""  # an image file or a folder of images
+    output: str = ""  # default <run-dir>/predictions.json
+
+
+def _stage(**kw):
+    # Adam with a cosine schedule after a short warm-up; a light L2 (Adam's coupled weight decay at SDN's 5e-4
+    # held the quick network at 48 %: with Adam it acts far more strongly than with SGD)
+    base = dict(iterations=60_000, batch_size=128, lr=1e-3, weight_decay=5e-5, lr_schedule="cosine", warmup=50,
+                eval_every=1000, checkpoint_every=1000)
+    return stage_field(**{**base, **kw})
+
+
+@dataclass
+class ClassifyConfig:
+    """VGG with internal classifiers: the network alone, SDN training, Stage I + II (paper Table 7)."""
+
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    method: MethodConfig = field(default_factory=lambda: MethodConfig(beta=1.0))
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    baseline: StageConfig = _stage(objective="deep_supervision", variant="last", select="last")
+    sdn: StageConfig = _stage(objective="deep_supervision", variant="weighted", select="oracle")
+    # marginal: the oracle as fixed weights; through q* (expected) pushes each image's worse exits up
+    stage1: StageConfig = _stage(objective="stage1", variant="marginal", iterations=20_000, lr=1e-4)
+    stage2: StageConfig = _stage(objective="stage2", variant="forward_kl", iterations=3000, lr=3e-3, weight_decay=0.0,
+                                 lr_schedule="constant", eval_every=250, checkpoint_every=250)
+    stage3: StageConfig = _stage(objective="stage3", iterations=0, lr=1e-4)
+    sdn_tau: tuple[float, ...] = (0.15, 0.3, 0.45, 0.6, 0.75, 0.9)  # SDN's final IC weights (interpolated to the ICs)
+    eval_batch: int = 256
+    table_budget: float = 0.5  # Table 7 compares the policy and the confidence rule at this share of the FLOPs
+    predict: PredictConfig = field(default_factory=PredictConfig)
+
+    def __post_init__(self):
+        for name, obj in (("baseline", "deep_supervision"), ("sdn", "deep_supervision"), ("stage1", "stage1"),
+                          ("stage2", "stage2"), ("stage3", "stage3")):
+            require(getattr(self, name).objective == obj, f"{name}.objective", f"must be {obj!r}")
+        require(len(self.sdn_tau) >= 1 and all(0 < t <= 1 for t in self.sdn_tau), "sdn_tau", "weights in (0, 1]")
+        require(self.eval_batch >= 1, "eval_batch", "must be >= 1")
+        require(0 < self.table_budget <= 1, "table_budget", f"must be in (0, 1]; got {self.table_budget}")
+
+
+def _quick(it: int, **kw) -> dict:
+    """A short stage of the CPU presets: the same optimiser as :func:`_stage` (Adam, cosine, warm-up), lr 2e-3."""
+    return {"iterations": it, "batch_size": 128, "lr": 2e-3, "eval_every": max(it // 5, 1),
+            "checkpoint_every": max(it // 5, 1), **kw}
+
+
+PRESETS: dict[str, dict] = {
+    # The CIFAR-10 subset of ../shared/data (4,068 train / 1,017 test), a narrow 6-conv VGG with 5 exits whose
+    # classifier is one linear layer like its exits (VGG's 3-layer head with dropout 0.5 was the weakest exit).
+    "quick": {"data": {"kind": "cifar_subset_npz", "path": "../shared/data/cifar10-subset", "size": 32},
+              "model": {"arch": "vgg6-narrow", "fc_width": 0, "dropout": 0.2},
+              "baseline": _quick(700), "sdn": _quick(800), "stage1": _quick(150, lr=2e-4, warmup=0),
+              "stage2": _quick(300, lr=3e-3, weight_decay=0.0, lr_schedule="constant", warmup=0),
+              "method": {"beta": 1.0, "price": 1.0}},
+    # VGG16-BN on the same subset (a few CPU-hours; benchmarks/classify_cifar.py).
+    "cifar": {"data": {"kind": "cifar_subset_npz", "path": "../shared/data/cifar10-subset", "size": 32},
+              "model": {"arch": "vgg16"}, "baseline": _quick(6000, lr=1e-3), "sdn": _quick(6000, lr=1e-3),
+              "stage1": _quick(2000, lr=1e-4, variant="expected", warmup=0),
+              "stage2": _quick(1500, lr=3e-3, weight_decay=0.0, lr_schedule="constant", warmup=0),
+              "method": {"beta": 3.0, "price": 1.0}},
+    # The paper: VGG16-BN on Tiny-ImageNet at 64x64 (a GPU job; the dataclass defaults).
+    "paper": {},
+}
