@@ -25,7 +25,8 @@ from ...core.trainer import derive_seed
 from ...utils.config import ints_at_least, preset_config, require, to_dict
 from ...utils.report import write_json
 from ..base import RunContext, TaskSpec, as_run, register_task, train_pipeline
-from .models import ModelConfig, build, loss_kind, query_metric, step_view
+from .losses import query_metric
+from .models import ModelConfig, build, loss_kind, step_view
 from .task import (Data, DataConfig, MetaLearningTask, fixed_batches, plot_stop_by_shot, results_markdown,
                    stop_steps_by_shot, summarize, to_device)
 

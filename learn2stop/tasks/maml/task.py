@@ -12,7 +12,8 @@ from torch import Tensor
 from ...core.trees import tree_map
 from ...utils.config import ints_at_least, one_of, require
 from . import data as D
-from .models import MAMLModel, confidence_interval
+from .losses import confidence_interval
+from .models import MAMLModel
 from .samplers import FewShotSampler, SinusoidSampler
 
 SOURCES = ("sinusoid", "omniglot_npz", "omniglot_folders", "miniimagenet")
