@@ -1,7 +1,7 @@
 """Inference speed of one stop model five ways, side by side in one process: the plain ``for t`` loop over
 the steps (full depth), ``unroll`` (full depth), ``run_with_early_exit`` with the deployed rule (synchronising,
-and in device mode: ``compact_every=4``), and the exported model in ONNX Runtime (:mod:`learn2stop.runtime`) with the same rule, at batch 1, 64 and a large
-batch (1000 sparse, 256 classify).
+and in device mode: ``compact_every=4``), and the exported model in ONNX Runtime (:mod:`learn2stop.runtime`)
+with the same rule, at batch 1, 64 (8 denoise) and a large batch (1000 sparse, 256 classify, 64 denoise).
 
     python benchmarks/runtime_speed.py --threads 1                       # random weights, quick sizes
     python benchmarks/runtime_speed.py --sparse-run runs/final-sparse --classify-run runs/classify-quick
@@ -9,7 +9,8 @@ batch (1000 sparse, 256 classify).
 
 Sizes: sparse is the quick preset's LISTA-stop (125x250, T = 16, its planning policy; ``--sparse-policy
 sketch`` for the policy asked at every step) on the preset's test problems; classify the quick
-preset's network (vgg6-narrow, 32x32, 10 classes, 5 exits and the exit policy). Without a run directory
+preset's network (vgg6-narrow, 32x32, 10 classes, 5 exits and the exit policy); denoise the quick preset's
+DnCNN-stop on 64x64 noisy textures (a run's own test images with ``--denoise-run``). Without a run directory
 the weights are random (LISTA from ISTA) and the policy's output bias is set (``--random-bias``; by default
 the bias whose constant pi_t makes the default rule, quantile alpha 0.5, stop at about 65 % of T) so that it
 stops part-way; with one, the run's stop stage and its deployed rule
@@ -55,7 +56,7 @@ def _from_run(task: str, run_dir: str):
     sm = load_stage(spec.app, cfg, run_dir, spec.app.stop_stage, "cpu")
     inference = spec.app.inference(cfg)
     cal = load_calibration(run_dir) if inference.use_calibrated else None
-    inputs = torch.cat([b[0] for b in spec.app.eval_batches(cfg, "test", "cpu")])
+    inputs = spec.app.speed_inputs(cfg, "cpu")  # the test inputs of the most common shape, as one batch
     return sm, (cal if cal is not None else inference), inputs
 
 
@@ -97,7 +98,33 @@ def classify_model(tiny: bool, bias: float | None, n: int):
     return StoppingModel(net, policy).eval(), InferenceConfig(), x
 
 
-# ----------------------------------------------------------------------------- the four ways
+def denoise_model(tiny: bool, bias: float | None, n: int):
+    """The quick preset's DnCNN-stop (its exits and policy) and n noisy random-texture images of 64x64 (32x32 tiny)."""
+    from learn2stop.tasks.denoise.task import preset
+
+    cfg = preset("quick", **({"model": {"depth": 5, "channels": 8, "outputs": [2, 3], "policy_hidden": 8}} if tiny else {}))
+    from learn2stop.tasks.denoise.app import APP
+
+    sm = APP.build_models(cfg, "cpu")["stop"].eval()
+    _set_bias(sm.policy, bias, sm.num_steps)
+    size = 32 if tiny else 64
+    g = torch.Generator().manual_seed(1)
+    clean = torch.nn.functional.avg_pool2d(torch.rand(n, 1, size + 3, size + 3, generator=g), 4, stride=1)
+    return sm, InferenceConfig(), clean + 0.1 * torch.randn(n, 1, size, size, generator=g)
+
+
+def task_model(task: str, run: str | None, tiny: bool, n: int, bias: float | None = None, sparse_policy: str = "plan"):
+    """(stop model, rule, inputs, where they come from): a trained run's, or random weights of the quick sizes."""
+    if run:
+        return (*_from_run(task, run), f"trained run {run}")
+    if task == "sparse":
+        sm, rule, inputs = sparse_model(tiny, bias, n, sparse_policy)
+    else:
+        sm, rule, inputs = {"classify": classify_model, "denoise": denoise_model}[task](tiny, bias, n)
+    return sm, rule, inputs, "random weights"
+
+
+# ----------------------------------------------------------------------------- the five ways
 def plain_loop(model, inputs):
     state = model.initial_state(inputs)
     for t in range(1, model.num_steps + 1):
@@ -182,9 +209,10 @@ def measure(sm: StoppingModel, rule, inputs: torch.Tensor, batches: list[int], s
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1, help="torch and ONNX Runtime intra-op threads")
-    ap.add_argument("--tasks", default="sparse,classify")
+    ap.add_argument("--tasks", default="sparse,classify,denoise")
     ap.add_argument("--sparse-run", default=None, help="a trained sparse run directory (else random weights)")
     ap.add_argument("--classify-run", default=None, help="a trained classify run directory (else random weights)")
+    ap.add_argument("--denoise-run", default=None, help="a trained denoise run directory (else random weights)")
     ap.add_argument("--random-bias", type=float, default=None,
                     help="random weights: the policy's output bias (default: stop at about 65 %% of T)")
     ap.add_argument("--sparse-policy", default="plan", choices=["plan", "sketch", "full"],
@@ -197,21 +225,15 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads < 1:
         ap.error(f"--threads must be >= 1; got {args.threads}")
     torch.set_num_threads(args.threads)
-    large = {"sparse": 1000, "classify": 256}
+    large = {"sparse": 1000, "classify": 256, "denoise": 64}
     results = {}
     for task in [t for t in args.tasks.split(",") if t]:
         if task not in large:
             ap.error(f"--tasks: unknown task {task!r}; choose from {', '.join(large)}")
-        batches = [1, 4, 8] if args.tiny else [1, 64, large[task]]
+        batches = [1, 4, 8] if args.tiny else sorted({1, 8 if task == "denoise" else 64, large[task]})
         n = max(batches) * (1 if args.tiny else 3)
-        run = getattr(args, f"{task}_run")
-        if run:
-            sm, rule, inputs = _from_run(task, run)
-            source = f"trained run {run}"
-        else:
-            sm, rule, inputs = (sparse_model(args.tiny, args.random_bias, n, args.sparse_policy) if task == "sparse"
-                                else classify_model(args.tiny, args.random_bias, n))
-            source = "random weights"
+        sm, rule, inputs, source = task_model(task, getattr(args, f"{task}_run"), args.tiny, n, args.random_bias,
+                                              args.sparse_policy)
         with tempfile.TemporaryDirectory() as tmp:
             export_stop_model(sm, rule, inputs[:2], Path(tmp) / "exported", task=task)
             runtime = load(Path(tmp) / "exported", threads=args.threads)

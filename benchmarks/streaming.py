@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_speed import _from_run, classify_model, sparse_model, torch_rule  # noqa: E402
+from runtime_speed import task_model, torch_rule  # noqa: E402
 
 from learn2stop.core.loop import run_with_early_exit  # noqa: E402
 from learn2stop.core.rules import FixedDepth  # noqa: E402
@@ -119,13 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     for task in [t for t in args.tasks.split(",") if t]:
         if task not in ("sparse", "classify"):
             ap.error(f"--tasks: unknown task {task!r}; choose from sparse, classify")
-        run = getattr(args, f"{task}_run")
-        if run:
-            sm, rule, inputs = _from_run(task, run)
-            source = f"trained run {run}"
-        else:
-            sm, rule, inputs = (sparse_model(args.tiny, None, n) if task == "sparse" else classify_model(args.tiny, None, n))
-            source = "random weights"
+        sm, rule, inputs, source = task_model(task, getattr(args, f"{task}_run"), args.tiny, n)
         if inputs.shape[0] < n:
             inputs = inputs.repeat(n // inputs.shape[0] + 1, *([1] * (inputs.dim() - 1)))[:n]
         rows = measure(sm, rule, inputs, 4 if args.tiny else args.max_batch, loads, n)

@@ -20,6 +20,32 @@ def shared_data(sub: str) -> Path:
     return path
 
 
+def randomise(module: nn.Module, seed: int, scale: float = 1.0) -> None:
+    """Draw every parameter of ``module`` from N(0, scale^2) under ``seed``: weights whose outputs (and stop
+    decisions) differ from sample to sample."""
+    g = torch.Generator().manual_seed(seed)
+    for p in module.parameters():
+        p.data = torch.randn(p.shape, generator=g) * scale
+
+
+@pytest.fixture(scope="module")
+def tiny_lista():
+    """A 7-step LISTA on a 13x27 problem, a per-step sketch policy asked from step 2, a depth planner that plans
+    at step 3 (both with random weights), and 41 measurements."""
+    from learn2stop.tasks.sparse.models import LISTA
+    from learn2stop.tasks.sparse.policy import SparseDepthPlanner, SparseStopPolicy
+
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(13, 27, generator=g) / 13 ** 0.5
+    policy = SparseStopPolicy(A, 7, "sketch", 4, (8,))
+    randomise(policy, 1)
+    policy.min_step = 2
+    planner = SparseDepthPlanner(A, 7, hidden=(16,))
+    randomise(planner, 2)
+    planner.min_step = 3
+    return LISTA(A, 7).eval(), policy, planner, torch.randn(41, 13, generator=g)
+
+
 class ToyStepModel(nn.Module):
     """x_t = tanh(W_t x_{t-1} + U_t y): untied steps, readout = the state (like LISTA)."""
 

@@ -10,24 +10,12 @@ from learn2stop.core.loop import run_with_early_exit
 from learn2stop.core.rules import (FixedDepth, PolicyRule, PriceSignal, QuantileSignal, SignalRule, StopAtTimes,
                                    ToleranceRule)
 from learn2stop.core.model import StoppingModel
-from learn2stop.tasks.sparse.models import LISTA
-from learn2stop.tasks.sparse.policy import SparseStopPolicy
-
-
-def _randomise(module, seed):
-    g = torch.Generator().manual_seed(seed)
-    for p in module.parameters():
-        p.data = torch.randn(p.shape, generator=g)
 
 
 @pytest.fixture(scope="module")
-def lista():
-    g = torch.Generator().manual_seed(0)
-    A = torch.randn(13, 27, generator=g) / 13 ** 0.5
-    policy = SparseStopPolicy(A, 7, "sketch", 4, (8,))
-    _randomise(policy, 1)
-    policy.min_step = 2
-    return StoppingModel(LISTA(A, 7), policy).eval(), torch.randn(64, 13, generator=g)
+def lista(tiny_lista):
+    model, policy, _, y = tiny_lista
+    return StoppingModel(model, policy).eval(), y
 
 
 def _rules(sm):
@@ -60,16 +48,10 @@ def test_onnxruntime_runner_gives_the_torch_loops_stop_times_and_outputs(lista):
         assert torch.equal(other.stop_times, run_with_early_exit(sm.model, y, PolicyRule(sm.policy, threshold=0.7)).stop_times)
 
 
-def test_onnxruntime_runner_plans_with_a_planning_policy():
+def test_onnxruntime_runner_plans_with_a_planning_policy(tiny_lista):
     pytest.importorskip("onnxruntime")
-    from learn2stop.tasks.sparse.policy import SparseDepthPlanner
-
-    g = torch.Generator().manual_seed(4)
-    A = torch.randn(13, 27, generator=g) / 13 ** 0.5
-    planner = SparseDepthPlanner(A, 8, hidden=(16,))
-    planner.min_step = 3  # plans at step 3
-    _randomise(planner, 5)
-    sm, y = StoppingModel(LISTA(A, 8), planner).eval(), torch.randn(40, 13, generator=g)
+    model, _, planner, y = tiny_lista
+    sm = StoppingModel(model, planner).eval()
     runner = make_runner("onnxruntime")
     with torch.no_grad():
         for price in (0.0, 2.0):
@@ -86,7 +68,7 @@ def test_onnxruntime_runner_refuses_what_the_runtime_cannot_run(lista):
     with pytest.raises(BackendError, match="sampled"):
         runner(sm.model, y, PolicyRule(sm.policy, mode="sample"))
     with pytest.raises(BackendError, match="StopAtTimes"):
-        runner(sm.model, y, StopAtTimes(torch.full((64,), 2)))
+        runner(sm.model, y, StopAtTimes(torch.full((41,), 2)))
 
 
 def test_compiled_runner_matches_eager(lista):

@@ -12,6 +12,7 @@ from torch import nn
 pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
+from conftest import randomise  # noqa: E402
 from learn2stop.cli import main  # noqa: E402
 from learn2stop.core.calibration import InferenceConfig  # noqa: E402
 from learn2stop.core.model import StoppingModel  # noqa: E402
@@ -23,18 +24,12 @@ from learn2stop.tasks.sparse.models import LISTA  # noqa: E402
 from learn2stop.tasks.sparse.policy import SparseStopPolicy  # noqa: E402
 
 
-def _randomise(module: nn.Module, seed: int, scale: float = 1.0) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for p in module.parameters():
-        p.data = torch.randn(p.shape, generator=g) * scale
-
-
 @pytest.fixture(scope="module")
 def sparse_sm():
     g = torch.Generator().manual_seed(0)
     A = torch.randn(13, 27, generator=g) / 13 ** 0.5
     policy = SparseStopPolicy(A, 7, "sketch", 4, (8,))
-    _randomise(policy, 1)
+    randomise(policy, 1)
     policy.min_step = 2
     y = torch.randn(96, 13, generator=g)
     return StoppingModel(LISTA(A, 7), policy).eval(), y
@@ -44,9 +39,9 @@ def sparse_sm():
 def classify_sm():
     torch.manual_seed(0)
     net = build_network("vgg6-narrow", 5, 16, fc_width=16)
-    _randomise(net.heads, 7)  # exits whose logits differ from image to image: varied confidences and stops
+    randomise(net.heads, 7)  # exits whose logits differ from image to image: varied confidences and stops
     policy = ExitPolicy(5, net.num_steps, hidden=8)
-    _randomise(policy, 2)
+    randomise(policy, 2)
     x = torch.randn(48, 3, 16, 16, generator=torch.Generator().manual_seed(3))
     return StoppingModel(net, policy).eval(), x
 
@@ -112,7 +107,7 @@ def test_denoise_exports_for_images_of_any_size(tmp_path):
     torch.manual_seed(0)
     net = DeepSupervisedDnCNN(depth=6, channels=8)
     policy = DenoisePolicy(net.num_steps, hidden=8)
-    _randomise(policy, 0)
+    randomise(policy, 0)
     sm = StoppingModel(net, policy).eval()
     rule = InferenceConfig(rule="quantile", param=0.5)
     export_stop_model(sm, rule, torch.rand(2, 1, 16, 16), tmp_path / "exp", dynamic_dims={"inputs": [2, 3]})
@@ -212,7 +207,7 @@ def test_a_state_leaf_no_step_reads(tmp_path):
 def test_planning_policy_fixes_the_depth_once(sparse_sm, tmp_path, rule, param):
     sm, y = sparse_sm
     planner = TinyPlanner(27, 7, plan_step=3)
-    _randomise(planner, 4)
+    randomise(planner, 4)
     planned = StoppingModel(sm.model, planner).eval()
     times = _same_as_torch(planned, y, InferenceConfig(rule=rule, param=param), tmp_path / "exp")
     assert times.unique().numel() >= 2 and int(times.min()) >= 3
@@ -388,14 +383,16 @@ def test_runtime_speed_benchmark_runs_on_a_tiny_config(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("runtime_speed", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    res = bench.main(["--tiny", "--tasks", "sparse", "--json", str(tmp_path / "speed.json")])
+    res = bench.main(["--tiny", "--tasks", "sparse,denoise", "--json", str(tmp_path / "speed.json")])
     rows = res["sparse"]["rows"]
-    assert res["sparse"]["stop_times_agree"] is True
+    assert res["sparse"]["stop_times_agree"] is True and res["denoise"]["stop_times_agree"] is True
     assert {r["variant"] for r in rows} == {"plain for-t loop", "unroll", "run_with_early_exit", "ONNX Runtime runner",
-                                            "early exit, stop times given"}
+                                            "early exit, device mode (compact every 4)", "early exit, stop times given"}
+    device = {r["batch"]: r["mean_depth"] for r in rows if r["variant"].startswith("early exit, device")}
     given = [r for r in rows if r["variant"] == "early exit, stop times given"]
     early = {r["batch"]: r["mean_depth"] for r in rows if r["variant"] == "run_with_early_exit"}
     assert all(r["mean_depth"] == early[r["batch"]] for r in given)  # the same decisions, made in advance
+    assert device == early  # and without a sync per step
     assert {r["batch"] for r in rows} == {1, 4, 8} and all(r["ms_per_sample"] > 0 for r in rows)
     assert json.loads((tmp_path / "speed.json").read_text())["sparse"]["rule"]["name"] == "quantile"
     assert "ONNX Runtime runner" in capsys.readouterr().out

@@ -10,27 +10,8 @@ from learn2stop.core.rules import (FixedDepth, PatienceSignal, PolicyRule, Price
                                    ToleranceRule)
 from learn2stop.core.streaming import StreamingRunner
 from learn2stop.tasks.classify.models import build_network
-from learn2stop.tasks.sparse.models import LISTA
-from learn2stop.tasks.sparse.policy import SparseDepthPlanner, SparseStopPolicy
 
-
-def _randomise(module, seed):
-    g = torch.Generator().manual_seed(seed)
-    for p in module.parameters():
-        p.data = torch.randn(p.shape, generator=g)
-
-
-@pytest.fixture(scope="module")
-def lista():
-    g = torch.Generator().manual_seed(0)
-    A = torch.randn(13, 27, generator=g) / 13 ** 0.5
-    policy = SparseStopPolicy(A, 7, "sketch", 4, (8,))
-    _randomise(policy, 1)
-    policy.min_step = 2
-    planner = SparseDepthPlanner(A, 7, hidden=(16,))
-    _randomise(planner, 2)
-    planner.min_step = 3
-    return LISTA(A, 7).eval(), policy, planner, torch.randn(41, 13, generator=g)
+from conftest import randomise
 
 
 def _stream(model, rule, x, max_batch, pattern=(5, 3)):
@@ -55,8 +36,8 @@ def _stream(model, rule, x, max_batch, pattern=(5, 3)):
     lambda p, q: SignalRule(PriceSignal(q), PriceSignal.from_param(0.5)), lambda p, q: PolicyRule(q, threshold=0.3),
 ], ids=["fixed4", "full", "tolerance", "threshold", "quantile-memory", "price-planned", "threshold-planned"])
 @pytest.mark.parametrize("max_batch,pattern", [(7, (5, 3)), (3, (6, 1)), (64, (41, 0)), (1, (2, 5))])
-def test_every_request_gets_the_batch_loops_stop_and_output(lista, make, max_batch, pattern):
-    model, policy, planner, x = lista
+def test_every_request_gets_the_batch_loops_stop_and_output(tiny_lista, make, max_batch, pattern):
+    model, policy, planner, x = tiny_lista
     with torch.no_grad():
         ref = run_with_early_exit(model, x, make(policy, planner))
     runner, ids = _stream(model, make(policy, planner), x, max_batch, pattern)
@@ -71,7 +52,7 @@ def test_every_request_gets_the_batch_loops_stop_and_output(lista, make, max_bat
 def test_patience_memory_is_kept_per_slot_on_a_cnn():
     torch.manual_seed(0)
     net = build_network("vgg6-narrow", 5, 16, fc_width=16).eval()
-    _randomise(net.heads, 7)
+    randomise(net.heads, 7)
     x = torch.randn(23, 3, 16, 16, generator=torch.Generator().manual_seed(3))
     rule = lambda: SignalRule(PatienceSignal(), 1)
     with torch.no_grad():
@@ -81,8 +62,8 @@ def test_patience_memory_is_kept_per_slot_on_a_cnn():
     assert len(set(ref.stop_times.tolist())) > 1  # the rule did stop at different exits
 
 
-def test_refusals_name_the_problem(lista):
-    model, policy, _, x = lista
+def test_refusals_name_the_problem(tiny_lista):
+    model, policy, _, x = tiny_lista
     with pytest.raises(ValueError, match="max_batch"):
         StreamingRunner(model, FixedDepth(), max_batch=0)
     runner = StreamingRunner(model, FixedDepth(), capacity=2)

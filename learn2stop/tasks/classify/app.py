@@ -214,11 +214,13 @@ def predict(cfg: ClassifyConfig, run) -> dict:
 
 
 def reproduce(cfg: ClassifyConfig, run) -> dict:
-    """Train every network, Table 7, then the frontier."""
-    from ...core.pipeline import frontier_command
+    """Train every network; deploy the rule calibrated to keep the network alone's accuracy (when the stop
+    model leads it at full depth); Table 7, then the frontier."""
+    from ...core.pipeline import deploy_calibration, frontier_command
 
     run = as_run(run)
     train(cfg, run)
+    deploy_calibration(APP, cfg, run)
     out = evaluate(cfg, run)
     out["frontier"] = frontier_command(APP, cfg, run)["summary"]
     return out
