@@ -106,6 +106,7 @@ def denoise_model(tiny: bool, bias: float | None, n: int):
     from learn2stop.tasks.denoise.app import APP
 
     sm = APP.build_models(cfg, "cpu")["stop"].eval()
+    nn.init.zeros_(_last_linear(sm.policy).weight)  # random image statistics would saturate it: a constant pi_t
     _set_bias(sm.policy, bias, sm.num_steps)
     size = 32 if tiny else 64
     g = torch.Generator().manual_seed(1)
