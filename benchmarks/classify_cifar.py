@@ -20,11 +20,18 @@ import torch
 from learn2stop.core.pipeline import frontier_command
 from learn2stop.tasks.base import RunContext
 from learn2stop.tasks.classify.app import APP, PRESETS, ClassifyConfig, evaluate, train
-from learn2stop.utils.config import resolve
+from learn2stop.utils.config import merge, resolve
 from learn2stop.utils.distributed import DistContext
 
 
-def main() -> None:
+#: ``--tiny``: generated images, a tiny VGG, a few iterations per stage (a smoke run: the tests use it)
+TINY = {"data": {"kind": "synthetic", "size": 16, "synthetic_per_class": 12, "synthetic_classes": 3},
+        "model": {"arch": "vgg6-narrow", "fc_width": 16, "policy_hidden": 4}, "eval_batch": 32,
+        **{s: {"iterations": 4, "batch_size": 8, "eval_every": 2, "checkpoint_every": 2, "warmup": 0}
+           for s in ("baseline", "sdn", "stage1", "stage2")}}
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="cifar", choices=sorted(PRESETS))
     ap.add_argument("--run-dir", default=None)
@@ -33,10 +40,11 @@ def main() -> None:
     ap.add_argument("--data-path", default=None)
     ap.add_argument("--arch", default=None, help="override the preset's model.arch (vgg16, resnet20, resnet56, ...)")
     ap.add_argument("--threads", type=int, default=None)
-    args = ap.parse_args()
+    ap.add_argument("--tiny", action="store_true", help="generated images and seconds of training (a smoke run)")
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    over: dict = {}
+    over: dict = merge({}, TINY) if args.tiny else {}
     if args.iterations:
         every = max(args.iterations // 5, 1)
         for s in ("baseline", "sdn"):
@@ -47,11 +55,9 @@ def main() -> None:
         over["data"] = {"path": args.data_path}
     if args.arch:
         over["model"] = {"arch": args.arch}
-    from learn2stop.utils.config import merge
-
     cfg = resolve(ClassifyConfig, merge(PRESETS[args.preset], over))
-    run = RunContext(Path(args.run_dir or f"runs/bench-classify-{args.preset}" + (f"-{args.arch}" if args.arch else "")), ctx=DistContext(device=torch.device(args.device)),
-                     progress=False)
+    run = RunContext(Path(args.run_dir or f"runs/bench-classify-{args.preset}" + (f"-{args.arch}" if args.arch else "")
+                          + ("-tiny" if args.tiny else "")), ctx=DistContext(device=torch.device(args.device)), progress=False)
     t0 = time.perf_counter()
     train(cfg, run)
     t_train = time.perf_counter() - t0
@@ -66,6 +72,7 @@ def main() -> None:
                   f"{100 * p['mean_cost']:.0f} % FLOPs; speed-up x{p['samples_per_s_batchN'] / full['samples_per_s_batchN']:.2f}"
                   f" @256, x{p['samples_per_s_batch1'] / full['samples_per_s_batch1']:.2f} @1")
     print("summary:", json.dumps(fr["summary_by_cost"] if "summary_by_cost" in fr else fr["summary"], default=str)[:600])
+    return fr
 
 
 if __name__ == "__main__":

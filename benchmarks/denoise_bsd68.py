@@ -114,7 +114,8 @@ def main(argv=None) -> int:
             paper = f" (paper {PAPER_TABLE6['DnCNN-stop'][k] - PAPER_TABLE6['DnCNN'][k]:+.2f})"
         print(f"  sigma {s['sigma']}: {s['psnr DnCNN-stop'] - s['psnr DnCNN']:+.2f}{paper}; "
               f"{s['stop_layers']:.1f} of {cfg.model.depth} layers, {100 * s['stop_cost']:.0f} % of the MACs")
-    print("ms per image at batch 1:", ", ".join(f"{k} {v:.0f}" for k, v in out["ms_per_image"].items()))
+    for batch, ms in out["ms_per_image"].items():
+        print(f"ms per image at batch {batch}:", ", ".join(f"{k} {v:.0f}" for k, v in ms.items()))
     summary = {"budget": args.budget, "train_s": t_train, "eval_s": t_eval, "summary": out["summary"],
                "ms_per_image": out["ms_per_image"], "calibration": cal.to_dict(), "frontier": frontier["summary"]}
     (run.run_dir / "benchmark.json").write_text(json.dumps(summary, indent=2))

@@ -22,17 +22,28 @@ from learn2stop.tasks.base import RunContext
 from learn2stop.tasks.sparse import PRESETS, preset, reproduce
 
 
-def main() -> None:
+#: ``--tiny``: a 13x27 problem, 5 steps, a dozen iterations per stage (a smoke run: the tests use it)
+TINY = {"problem": {"m": 13, "n": 27, "sparsity": 0.2, "test_per_snr": 30, "val_per_snr": 20},
+        "lista": {"num_steps": 5}, "classical": {"depths": [5, 10], "L_grid": [3, 5], "rho_grid": [0.05, 0.1],
+                                                 "tune_samples": 50},
+        "policy": {"sketch_dim": 4}, "run_aevb": False, "run_stage3": False,
+        **{s: {"iterations": 12, "batch_size": 32, "eval_every": 6, "checkpoint_every": 6}
+           for s in ("baseline", "stage1", "stage2", "stage3", "aevb")}}
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="fast", choices=list(PRESETS))
     ap.add_argument("--run-dir", default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    args = ap.parse_args()
+    ap.add_argument("--tiny", action="store_true", help="the preset shrunk to seconds (a smoke run)")
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    run_dir = args.run_dir or f"runs/bench-sparse-{args.preset}"
+    run_dir = args.run_dir or f"runs/bench-sparse-{args.preset}" + ("-tiny" if args.tiny else "")
     t0 = time.perf_counter()
-    results = reproduce(preset(args.preset), RunContext(run_dir))
+    cfg = preset(args.preset, **(TINY if args.tiny else {}))
+    results = reproduce(cfg, RunContext(run_dir, progress=not args.tiny))
     print(f"\nwall-clock for the whole pipeline: {time.perf_counter() - t0:.0f}s")
     print("tuned classical baselines:", json.dumps(results["classical"]))
     print("oracle (best step per sample, needs x*):", json.dumps(results.get("oracle_nmse")))
@@ -42,6 +53,7 @@ def main() -> None:
         for name in ("LISTA", "LISTA-stop"):
             pts = curves.get(name, [])
             print(f"  {name}: " + ", ".join(f"{t / 60:.0f}: {v:.2f}" for t, v in pts[::max(1, len(pts) // 12)] + pts[-1:]))
+    return results
 
 
 if __name__ == "__main__":
