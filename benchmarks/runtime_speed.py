@@ -1,7 +1,8 @@
 """Inference speed of one stop model five ways, side by side in one process: the plain ``for t`` loop over
 the steps (full depth), ``unroll`` (full depth), ``run_with_early_exit`` with the deployed rule (synchronising,
 and in device mode: ``compact_every=4``), and the exported model in ONNX Runtime (:mod:`learn2stop.runtime`)
-with the same rule, at batch 1, 64 (8 denoise) and a large batch (1000 sparse, 256 classify, 64 denoise).
+with the same rule, at batch 1, 64 (8 denoise, 10 maml) and a large batch (1000 sparse, 256 classify, 64 denoise,
+100 maml; MAML's inner gradient steps do not export, so maml has the torch variants only).
 
     python benchmarks/runtime_speed.py --threads 1                       # random weights, quick sizes
     python benchmarks/runtime_speed.py --sparse-run runs/final-sparse --classify-run runs/classify-quick
@@ -35,7 +36,9 @@ from learn2stop.core.calibration import InferenceConfig, load_calibration
 from learn2stop.core.loop import run_with_early_exit, unroll
 from learn2stop.core.model import StoppingModel
 from learn2stop.core.rules import StopAtTimes
+from learn2stop.core.trees import batch_size, tree_map
 from learn2stop.export import export_stop_model
+from learn2stop.tasks.base import get_task
 from learn2stop.runtime import load
 from learn2stop.utils.report import markdown_table
 
@@ -114,6 +117,21 @@ def denoise_model(tiny: bool, bias: float | None, n: int):
     return sm, InferenceConfig(), clean + 0.1 * torch.randn(n, 1, size, size, generator=g)
 
 
+def maml_model(tiny: bool, bias: float | None, n: int):
+    """The quick preset's MAML-stop (sinusoid regression, its policy) and n of its test tasks (dict inputs)."""
+    from learn2stop.tasks.maml.app import APP, preset
+
+    cfg = preset("quick", **({"model": {"hidden": 8, "inner_steps": 3}, "eval": {"tasks": 8, "val_tasks": 4}}
+                             if tiny else {}))
+    sm = APP.build_models(cfg, "cpu")["stop"].eval()
+    _set_bias(sm.policy, bias, sm.num_steps)
+    return sm, InferenceConfig(), APP.speed_inputs(cfg, "cpu")
+
+
+def _rows(x, i: int, j: int):
+    return tree_map(lambda v: v[i:j], x)
+
+
 def task_model(task: str, run: str | None, tiny: bool, n: int, bias: float | None = None, sparse_policy: str = "plan"):
     """(stop model, rule, inputs, where they come from): a trained run's, or random weights of the quick sizes."""
     if run:
@@ -121,7 +139,7 @@ def task_model(task: str, run: str | None, tiny: bool, n: int, bias: float | Non
     if task == "sparse":
         sm, rule, inputs = sparse_model(tiny, bias, n, sparse_policy)
     else:
-        sm, rule, inputs = {"classify": classify_model, "denoise": denoise_model}[task](tiny, bias, n)
+        sm, rule, inputs = {"classify": classify_model, "denoise": denoise_model, "maml": maml_model}[task](tiny, bias, n)
     return sm, rule, inputs, "random weights"
 
 
@@ -167,7 +185,9 @@ def variants(sm: StoppingModel, rule, runtime, given: dict | None = None) -> dic
         return runtime.run(x.numpy()).mean_depth
 
     ways = {"plain for-t loop": plain, "unroll": full, "run_with_early_exit": early,
-            "early exit, device mode (compact every 4)": device_mode, "ONNX Runtime runner": ort}
+            "early exit, device mode (compact every 4)": device_mode}
+    if runtime is not None:  # a task whose steps export
+        ways["ONNX Runtime runner"] = ort
     if given:
         ways["early exit, stop times given"] = planned
     return ways
@@ -177,13 +197,13 @@ def variants(sm: StoppingModel, rule, runtime, given: dict | None = None) -> dic
 def measure(sm: StoppingModel, rule, inputs: torch.Tensor, batches: list[int], samples: int, rounds: int,
             runtime) -> list[dict]:
     """Best-of-``rounds`` seconds per sample of every variant at every batch size, round-robin."""
-    work = {}
+    work, N = {}, batch_size(inputs)
     for b in batches:
         if b == 1:
-            work[b] = [inputs[i:i + 1] for i in range(min(samples, inputs.shape[0]))]
+            work[b] = [_rows(inputs, i, i + 1) for i in range(min(samples, N))]
         else:
-            reps = max(1, min(3, inputs.shape[0] // b))
-            work[b] = [inputs[i * b:(i + 1) * b] for i in range(reps)] if inputs.shape[0] >= b else [inputs[:b]]
+            reps = max(1, min(3, N // b))
+            work[b] = [_rows(inputs, i * b, (i + 1) * b) for i in range(reps)] if N >= b else [_rows(inputs, 0, b)]
     given = {id(x): run_with_early_exit(sm.model, x, torch_rule(sm, rule)).stop_times for b in batches for x in work[b]}
     ways = variants(sm, rule, runtime, given)
     best = {(b, name): float("inf") for b in batches for name in ways}
@@ -193,9 +213,9 @@ def measure(sm: StoppingModel, rule, inputs: torch.Tensor, batches: list[int], s
             for name, fn in ways.items():
                 t0 = time.perf_counter()
                 depths = [fn(x) for x in work[b]]
-                rows = sum(x.shape[0] for x in work[b])
+                rows = sum(batch_size(x) for x in work[b])
                 best[b, name] = min(best[b, name], (time.perf_counter() - t0) / rows)
-                depth[b, name] = sum(d * x.shape[0] for d, x in zip(depths, work[b])) / rows
+                depth[b, name] = sum(d * batch_size(x) for d, x in zip(depths, work[b])) / rows
     out = []
     for b in batches:
         base = best[b, "plain for-t loop"]
@@ -210,10 +230,11 @@ def measure(sm: StoppingModel, rule, inputs: torch.Tensor, batches: list[int], s
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1, help="torch and ONNX Runtime intra-op threads")
-    ap.add_argument("--tasks", default="sparse,classify,denoise")
+    ap.add_argument("--tasks", default="sparse,classify,denoise,maml")
     ap.add_argument("--sparse-run", default=None, help="a trained sparse run directory (else random weights)")
     ap.add_argument("--classify-run", default=None, help="a trained classify run directory (else random weights)")
     ap.add_argument("--denoise-run", default=None, help="a trained denoise run directory (else random weights)")
+    ap.add_argument("--maml-run", default=None, help="a trained maml run directory (else random weights)")
     ap.add_argument("--random-bias", type=float, default=None,
                     help="random weights: the policy's output bias (default: stop at about 65 %% of T)")
     ap.add_argument("--sparse-policy", default="plan", choices=["plan", "sketch", "full"],
@@ -226,27 +247,32 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads < 1:
         ap.error(f"--threads must be >= 1; got {args.threads}")
     torch.set_num_threads(args.threads)
-    large = {"sparse": 1000, "classify": 256, "denoise": 64}
+    large = {"sparse": 1000, "classify": 256, "denoise": 64, "maml": 100}
     results = {}
     for task in [t for t in args.tasks.split(",") if t]:
         if task not in large:
             ap.error(f"--tasks: unknown task {task!r}; choose from {', '.join(large)}")
-        batches = [1, 4, 8] if args.tiny else sorted({1, 8 if task == "denoise" else 64, large[task]})
+        batches = [1, 4, 8] if args.tiny else sorted({1, {"denoise": 8, "maml": 10}.get(task, 64), large[task]})
         n = max(batches) * (1 if args.tiny else 3)
         sm, rule, inputs, source = task_model(task, getattr(args, f"{task}_run"), args.tiny, n, args.random_bias,
                                               args.sparse_policy)
         with tempfile.TemporaryDirectory() as tmp:
-            export_stop_model(sm, rule, inputs[:2], Path(tmp) / "exported", task=task)
-            runtime = load(Path(tmp) / "exported", threads=args.threads)
+            runtime, agree, spec = None, None, {"name": rule.rule, "param": rule.param}
+            if not getattr(get_task(task).app, "export_unsupported", None):
+                export_stop_model(sm, rule, _rows(inputs, 0, 2), Path(tmp) / "exported", task=task)
+                runtime = load(Path(tmp) / "exported", threads=args.threads)
+                spec = runtime.rule_spec
             rows = measure(sm, rule, inputs, batches, 4 if args.tiny else args.samples, 1 if args.tiny else args.rounds,
                            runtime)
-            check = runtime.run(inputs[:min(64, inputs.shape[0])].numpy())
-            with torch.no_grad():
-                ref = run_with_early_exit(sm.model, inputs[:min(64, inputs.shape[0])], torch_rule(sm, rule))
-            agree = bool(np.array_equal(check.stop_times, ref.stop_times.numpy()))
-        results[task] = {"source": source, "rule": runtime.rule_spec, "rows": rows, "stop_times_agree": agree}
-        print(f"\n## {task} ({source}; rule {runtime.rule_spec['name']} {runtime.rule_spec['param']}; "
-              f"{args.threads} thread(s); runtime and torch stop times agree: {agree})\n")
+            if runtime is not None:
+                check = runtime.run(inputs[:min(64, inputs.shape[0])].numpy())
+                with torch.no_grad():
+                    ref = run_with_early_exit(sm.model, inputs[:min(64, inputs.shape[0])], torch_rule(sm, rule))
+                agree = bool(np.array_equal(check.stop_times, ref.stop_times.numpy()))
+        results[task] = {"source": source, "rule": spec, "rows": rows, "stop_times_agree": agree}
+        print(f"\n## {task} ({source}; rule {spec['name']} {spec['param']}; {args.threads} thread(s); "
+              + ("no ONNX export: " + get_task(task).app.export_unsupported if runtime is None else
+                 f"runtime and torch stop times agree: {agree}") + ")\n")
         print(markdown_table(["batch", "variant", "ms / sample", "speed vs plain loop", "mean depth", "share of ideal"],
                              [[r["batch"], r["variant"], r["ms_per_sample"], r["speed_vs_plain"], r["mean_depth"],
                                r["share_of_ideal"]] for r in rows], digits=3))

@@ -383,7 +383,9 @@ def test_runtime_speed_benchmark_runs_on_a_tiny_config(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("runtime_speed", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    res = bench.main(["--tiny", "--tasks", "sparse,denoise", "--json", str(tmp_path / "speed.json")])
+    res = bench.main(["--tiny", "--tasks", "sparse,denoise,maml", "--json", str(tmp_path / "speed.json")])
+    assert res["maml"]["stop_times_agree"] is None  # its steps do not export: the torch variants only
+    assert "ONNX Runtime runner" not in {r["variant"] for r in res["maml"]["rows"]} and len(res["maml"]["rows"]) == 15
     rows = res["sparse"]["rows"]
     assert res["sparse"]["stop_times_agree"] is True and res["denoise"]["stop_times_agree"] is True
     assert {r["variant"] for r in rows} == {"plain for-t loop", "unroll", "run_with_early_exit", "ONNX Runtime runner",
