@@ -14,17 +14,15 @@ from ..utils.config import save_yaml, to_dict
 from ..utils.distributed import DistContext
 from ..utils.registry import Registry
 
-#: config sections that only say how to read a trained run (rule, evaluation, inputs), not what it is:
-#: they are left out of the run directory's fingerprint.
-READER_FIELDS = ("inference", "eval", "predict", "denoise", "eval_batch", "classical", "table_budget")
 #: commands that create or extend a run; any other command needs an existing, matching run.
 TRAINING_COMMANDS = ("train", "reproduce")
 
 
 def run_fingerprint(cfg: Any) -> dict:
-    """What a run's results depend on: the resolved config less the reader-only sections
-    (a config class may name its own in a ``reader_fields`` class attribute)."""
-    readers = getattr(type(cfg), "reader_fields", READER_FIELDS)
+    """What a run's results depend on: the resolved config less the sections that only say how to read a
+    trained run (rule, evaluation, inputs), which each task's config names in its ``reader_fields`` class
+    attribute (default: ``inference``)."""
+    readers = getattr(type(cfg), "reader_fields", ("inference",))
     return {k: v for k, v in to_dict(cfg).items() if k not in readers}
 
 

@@ -1,6 +1,8 @@
 """The classify config: data, network, stages, the quick / cifar / paper presets."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 from dataclasses import dataclass, field
 
 from ...core import InferenceConfig, MethodConfig, StageConfig
@@ -74,6 +76,9 @@ def _stage(**kw):
 @dataclass
 class ClassifyConfig:
     """VGG with internal classifiers: the network alone, SDN training, Stage I + II (paper Table 7)."""
+
+    #: read-only sections, left out of the run's fingerprint: the test-time rule, the inputs of ``predict``, the evaluation batch and the table's budget
+    reader_fields: ClassVar[tuple[str, ...]] = ('inference', 'predict', 'eval_batch', 'table_budget')
 
     seed: int = 0
     data: DataConfig = field(default_factory=DataConfig)

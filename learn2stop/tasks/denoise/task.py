@@ -6,7 +6,7 @@ Defaults are the paper's settings (Sec. 5.3, App. B.3); presets are partial conf
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 import torch
@@ -129,6 +129,9 @@ class DenoiseAppConfig:
         (lambda, in SSE units per full network), inherited by every stage.
     inference: the test-time stop rule (replaced by ``calibration.json`` once a run is calibrated).
     """
+
+    #: read-only sections, left out of the run's fingerprint: the test-time rule, the evaluation settings and the inputs of ``denoise``
+    reader_fields: ClassVar[tuple[str, ...]] = ('inference', 'eval', 'denoise')
 
     seed: int = 0
     data: DataConfig = field(default_factory=DataConfig)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from ...core import InferenceConfig, MethodConfig, StageConfig
 from ...core.objectives import stage_field
@@ -77,6 +77,9 @@ class SparseConfig:
     equal_budget: also train LISTA on from the baseline for Stage I's iterations, with Stage I's schedule
         (stage ``lista_equal``): the LISTA that had the same training budget as LISTA-stop's theta.
     """
+
+    #: read-only sections, left out of the run's fingerprint: the test-time rule, the evaluation batch and the classical baselines' tuning
+    reader_fields: ClassVar[tuple[str, ...]] = ('inference', 'eval_batch', 'classical')
 
     seed: int = 0
     problem: ProblemConfig = field(default_factory=ProblemConfig)
