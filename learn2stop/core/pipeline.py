@@ -19,11 +19,12 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from ..utils.config import ConfigError
+from ..utils.distributed import DistContext
 from ..utils.report import write_json, write_text_atomic
 from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rule, policy_rules, calibrate_budget, calibrate_risk,
                           check_budget, check_risk, load_calibration, save_calibration)
@@ -57,6 +58,21 @@ class Stage:
     init_part: str = "model"
     before: Callable | None = None
     describe: str = ""
+
+
+class Run(Protocol):
+    """What the core reads of a run: where it writes, on which device and process, how it reports, and whether
+    it resumes (the CLI's :class:`~learn2stop.tasks.base.RunContext` is one; any object with these will do)."""
+
+    run_dir: Path
+    ctx: DistContext
+    progress: bool
+    resume: bool
+
+    @property
+    def device(self) -> Any: ...
+
+    def log(self, message: str) -> None: ...
 
 
 class StoppingApp:
@@ -156,7 +172,7 @@ class MinStep:
 def min_step_hook(min_mass: Callable[[Any], float], cap: bool = False) -> Callable:
     """A stage's ``before`` hook that sets the stop model's ``policy.min_step`` by :func:`oracle_min_step` from
     the config's ``min_mass(cfg)`` (``cap``: at most T - 1, so that the policy is asked at least once)."""
-    def hook(models, app, cfg, run):
+    def hook(models, app, cfg, run: Run):
         sm = models["stop"]
         sm.policy.min_step = oracle_min_step(sm, app.training_task(cfg, "stop", sm), app.method(cfg), min_mass(cfg),
                                              run.device, last=sm.num_steps - 1 if cap else None)
@@ -189,12 +205,12 @@ def oracle_min_step(sm: StoppingModel, task: Any, method: MethodConfig, min_mass
     return min(first, last) if last is not None else first
 
 
-def _trainer(app: StoppingApp, cfg, run, key: str, sm: StoppingModel) -> StagedTrainer:
+def _trainer(app: StoppingApp, cfg, run: Run, key: str, sm: StoppingModel) -> StagedTrainer:
     return StagedTrainer(sm, app.training_task(cfg, key, sm), run.run_dir, seed=app.seed(cfg), ctx=run.ctx,
                          progress=run.progress, resume=run.resume, inference=app.inference(cfg))
 
 
-def run_pipeline(app: StoppingApp, cfg: Any, run) -> dict[str, dict]:
+def run_pipeline(app: StoppingApp, cfg: Any, run: Run) -> dict[str, dict]:
     """Train every stage in order (resuming what exists); returns {stage: summary}."""
     models = app.build_models(cfg, run.device)
     method = app.method(cfg)
@@ -290,7 +306,7 @@ def stop_model_trace(app: StoppingApp, cfg, sm: StoppingModel, split: str, devic
 
 
 # ----------------------------------------------------------------------------- commands
-def calibrate_command(app: StoppingApp, cfg: Any, run, *, budget: float | None = None, epsilon: float | None = None,
+def calibrate_command(app: StoppingApp, cfg: Any, run: Run, *, budget: float | None = None, epsilon: float | None = None,
                       delta: float = 0.1, rule: str | None = None) -> Calibration:
     """Calibrate the policy rule on the validation split for a budget or a risk level; save and report it."""
     if (budget is None) == (epsilon is None):
@@ -331,7 +347,7 @@ def calibrate_command(app: StoppingApp, cfg: Any, run, *, budget: float | None =
     return cal
 
 
-def deploy_calibration(app: StoppingApp, cfg: Any, run, *, delta: float = 0.1) -> Calibration | None:
+def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0.1) -> Calibration | None:
     """The operating point a user deploys: keep the baseline's quality, with a guarantee, at the least cost.
 
     The policy rule (``inference.rule``, or ``quantile``) is calibrated by Learn-then-Test on the validation
@@ -368,7 +384,7 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run, *, delta: float = 0.1) -
     return cal
 
 
-def frontier_command(app: StoppingApp, cfg: Any, run, *, budgets=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
                      speed: bool = True, runners: dict[str, Callable] | None = None) -> dict:
     """The accuracy-compute frontier of a trained run: ``frontier.json``, ``frontier.md``, ``frontier.png``.
 

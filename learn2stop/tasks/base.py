@@ -28,7 +28,8 @@ def run_fingerprint(cfg: Any) -> dict:
 
 @dataclass
 class RunContext:
-    """Where a command writes, and how it runs: decided by the CLI (or a script), passed down."""
+    """Where a command writes, and how it runs: decided by the CLI (or a script), passed down (the core reads it
+    through its :class:`~learn2stop.core.pipeline.Run` protocol)."""
 
     run_dir: Path
     ctx: DistContext = field(default_factory=DistContext)
