@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .core.evaluation import BackendError
-from .core.loop import Rollout, run_with_early_exit
+from .core.loop import Rollout, member, run_with_early_exit
 from .core.model import StoppingModel
 from .core.rules import FixedDepth, PolicyRule, SignalRule
 from .core.trees import tree_leaves
@@ -130,7 +130,7 @@ class OnnxRunner:
             folder = f"{self._dir}/export-{len(self._runtimes)}"
             try:
                 export_stop_model(StoppingModel(model, policy), spec, inputs, folder,
-                                  exit_costs=getattr(model, "exit_costs", None))
+                                  exit_costs=member(model, "exit_costs"))
             except (ExportError, RuntimeError, TypeError) as e:
                 raise BackendError(f"backend onnxruntime: {type(model).__name__} does not export: "
                                    f"{str(e).splitlines()[0]}") from None

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .core.calibration import Calibration, InferenceConfig
-from .core.loop import NEVER_STOP_LOGIT, check_stepwise
+from .core.loop import NEVER_STOP_LOGIT, check_stepwise, member
 from .core.trees import check_inputs
 from .core.rules import SIGNALS
 from .runtime.manifest import sha256_file
@@ -100,7 +100,7 @@ def rule_spec(rule: Any, source: str = "") -> dict:
 
 
 def _plan_step(policy: Any) -> int | None:
-    return getattr(policy, "plan_step", None) if policy is not None else None
+    return member(policy, "plan_step")
 
 
 def _schedule(spec: dict, policy: Any, T: int) -> dict:
@@ -121,7 +121,7 @@ def _schedule(spec: dict, policy: Any, T: int) -> dict:
             return {"last": T, "readout": list(range(plan, T + 1)), "policy": [], "plan": plan}
         if name == "price":
             raise ExportError("rule 'price' reads a planned q_phi: it needs a planning policy (one with plan_step)")
-        first = max(int(getattr(policy, "min_step", 1)), 1)
+        first = max(int(member(policy, "min_step")), 1)
         asked = list(range(first, T))
         return {"last": T, "readout": asked + [T], "policy": asked, "plan": None}
     return {"last": T, "readout": list(range(1, T + 1)), "policy": [], "plan": None}
@@ -315,7 +315,7 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
     if dynamic:  # the state and outputs follow the inputs' sizes: leave all their dims free
         for n, x in [*zip(state_names, state_leaves), *zip(out_names, out_leaves)]:
             dynamic[n] = dynamic[f"next_{n}"] = list(range(1, x.dim()))
-    costs = exit_costs if exit_costs is not None else getattr(model, "exit_costs", None)
+    costs = exit_costs if exit_costs is not None else member(model, "exit_costs")
     costs = [float(c) for c in (costs if costs is not None else range(1, T + 1))]
     if len(costs) != T:
         raise ExportError(f"exit_costs has {len(costs)} entries; the model has {T} steps")

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ..utils.config import ConfigError, one_of, require
-from .loop import Rollout
+from .loop import Rollout, member
 from .rules import PLANNING_RULES, SIGNALS, PolicyRule, SignalRule, first_crossing, make_signal, sampled_stop_times
 
 POLICY_RULES = ("threshold", "quantile", "price")  # "price" needs a planning policy
@@ -36,7 +36,7 @@ CALIBRATION_FILE = "calibration.json"
 
 def policy_rules(policy) -> tuple[str, ...]:
     """The policy rules a policy supports: all of them for a planning policy, else all but the price rule."""
-    plans = getattr(policy, "plan_step", None) is not None
+    plans = member(policy, "plan_step") is not None
     return tuple(r for r in POLICY_RULES if plans or r not in PLANNING_RULES)
 
 

@@ -205,7 +205,7 @@ def exit_costs(model, device=None) -> Tensor:
     Normalising by c_T makes a price on computation read as "loss one would give for the whole model".
     """
     T = model.num_steps
-    raw = getattr(model, "exit_costs", None)
+    raw = getattr(model, "exit_costs", None)  # loop.member's default; distributions sits below the loop
     if raw is None:
         costs = torch.arange(1, T + 1, dtype=torch.float32)
     else:

@@ -44,13 +44,31 @@ def check_rule(rule: Any) -> None:
 def first_ask(rule: Any) -> int:
     """The first step at which the loop consults a rule: its planning step, or its ``first_step``
     (a learned policy's ``min_step``, 2 for a tolerance test), else 1."""
-    plan = getattr(rule, "plan_step", None)
-    return int(plan) if plan is not None else int(getattr(rule, "first_step", 1))
+    plan = member(rule, "plan_step")
+    return int(plan) if plan is not None else int(member(rule, "first_step"))
 
 
 # ----------------------------------------------------------------------------- protocols
+#: The optional members of a step-wise model, a policy and a stop rule, and what their absence means:
+#:
+#: - ``exit_costs`` (model): cumulative cost of stopping at t = 1..T (FLOPs, MACs); absent: t;
+#: - ``min_step`` (policy): the first step it is asked at (pi_t = 0 before); absent: 1;
+#: - ``plan_step`` (policy or rule): it plans every step's stop at once, at this step; absent: per step;
+#: - ``first_step`` (rule): the first step the loop asks it at (2 for a tolerance test); absent: 1.
+OPTIONAL_MEMBERS: dict[str, Any] = {"exit_costs": None, "min_step": 1, "plan_step": None, "first_step": 1}
+
+
+def member(obj: Any, name: str) -> Any:
+    """The optional member ``name`` of a model, policy or rule (:data:`OPTIONAL_MEMBERS`), or what its absence
+    means; the one place the library looks them up."""
+    default = OPTIONAL_MEMBERS[name]
+    return default if obj is None else getattr(obj, name, default)
+
+
 @runtime_checkable
 class StepwiseModel(Protocol):
+    """A model the loop drives (see the module's text); its optional members are :data:`OPTIONAL_MEMBERS`."""
+
     num_steps: int
 
     def initial_state(self, inputs: Any) -> Any: ...
@@ -144,7 +162,7 @@ def unroll(
     T = model.num_steps
     B = batch_size(inputs)
     losses, logits, outs = [], [], []
-    plan_at = getattr(policy, "plan_step", None) if policy is not None else None
+    plan_at = member(policy, "plan_step")
     planned = None
     with torch.set_grad_enabled(model_grad and torch.is_grad_enabled()):
         state = _first(model.initial_state, model, inputs)
@@ -207,14 +225,14 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
         A :class:`Rollout`; ``outputs`` is in input order.
     """
     check_rule(rule)
-    if compact_every is not None and getattr(rule, "plan_step", None) is None:
+    if compact_every is not None and member(rule, "plan_step") is None:
         if record_probs:
             raise ValueError("record_probs=True is not available in device mode (compact_every)")
         return _run_device_mode(model, inputs, rule, compact_every)
     check_stepwise(model)
     T = model.num_steps
     B = batch_size(inputs)
-    plan_step = getattr(rule, "plan_step", None)
+    plan_step = member(rule, "plan_step")
     first = first_ask(rule)
     state = _first(model.initial_state, model, inputs)
     device = tree_leaves(state)[0].device if tree_leaves(state) else tree_leaves(inputs)[0].device
@@ -397,7 +415,7 @@ NEVER_STOP_LOGIT = -50.0
 
 def _policy_logits(policy: nn.Module, inputs: Any, output: Any, t: int, B: int) -> Tensor:
     """The policy's stop logits at step t; a policy with ``min_step`` is not even called before it."""
-    if t < getattr(policy, "min_step", 1):
+    if t < member(policy, "min_step"):
         leaf = tree_leaves(output)[0]
         return torch.full((B,), NEVER_STOP_LOGIT, device=leaf.device, dtype=leaf.dtype)
     logits = policy(inputs, output, t)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .loop import StepView, _policy_logits, planned_logits
+from .loop import StepView, _policy_logits, member, planned_logits
 from .trees import tree_leaves
 
 
@@ -80,8 +80,8 @@ class _PolicyBased(StopSignal):
 
     def __init__(self, policy: nn.Module):
         self.policy = policy
-        self.plan_step = getattr(policy, "plan_step", None)
-        self.first_step = self.plan_step if self.plan_step is not None else int(getattr(policy, "min_step", 1))
+        self.plan_step = member(policy, "plan_step")
+        self.first_step = self.plan_step if self.plan_step is not None else int(member(policy, "min_step"))
 
     def plan_scores(self, view: StepView) -> Tensor:
         """The (B, T-1) scores of every step at once, from a planning policy's one call; -inf before the

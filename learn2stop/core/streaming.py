@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .loop import StepView, _step, check_rule, check_stepwise, first_ask
+from .loop import StepView, _step, check_rule, check_stepwise, first_ask, member
 from .trees import batch_size, tree_cat, tree_leaves, tree_map, tree_select
 
 
@@ -101,7 +101,7 @@ class StreamingRunner:
                 raise ValueError(f"{name} must be an integer >= 1; got {v!r}")
         self.model, self.rule, self.max_batch, self.capacity = model, rule, max_batch, capacity
         self.T = model.num_steps
-        self.plan_step = getattr(rule, "plan_step", None)
+        self.plan_step = member(rule, "plan_step")
         self.first = first_ask(rule)
         self.queues: list[deque[_Chunk]] = [deque() for _ in range(self.T)]  # queues[t]: ran t steps
         self.finished: dict[int, Finished] = {}
