@@ -90,7 +90,22 @@ class StoppingApp:
     #: other trainings whose classical rules the frontier also draws: {curve prefix: stage name}.
     frontier_also: dict = {}
 
+    #: most entries of :meth:`cached`.
+    cache_size = 8
+
+    def cached(self, key: str, make: Callable[[], Any]) -> Any:
+        """The app's one memo for what is costly to build and depends on a few config fields (data sets,
+        task samplers, fixed evaluation batches, traced networks): ``make()`` once per ``key`` (a string of
+        those fields); the oldest of more than :attr:`cache_size` entries is dropped."""
+        memo = self.__dict__.setdefault("_memo", {})
+        if key not in memo:
+            while len(memo) >= self.cache_size:
+                memo.pop(next(iter(memo)))
+            memo[key] = make()
+        return memo[key]
+
     # ---------------------------------------------------------------- task
+
     def build_models(self, cfg: Any, device) -> dict[str, StoppingModel]:
         raise NotImplementedError
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -45,27 +44,21 @@ class ClassifyApp(StoppingApp):
     speed_batch = 256
     speed_samples = 200
 
-    def __init__(self):
-        self._images: dict[str, Images] = {}
-        self._networks: dict[str, Any] = {}
-
     def images(self, cfg: ClassifyConfig) -> Images:
-        key = repr((cfg.data, cfg.seed))
-        if key not in self._images:
-            self._images = {key: Images(cfg)}
-        return self._images[key]
+        return self.cached(f"images {(cfg.data, cfg.seed)!r}", lambda: Images(cfg))
 
     def network(self, cfg: ClassifyConfig):
         m, imgs = cfg.model, self.images(cfg)
-        key = repr((m, cfg.data.size, len(imgs.classes), imgs.train.image_shape[0]))
-        if key not in self._networks:  # tracing, placing exits and counting FLOPs once; every model is a copy
+
+        def build():  # tracing, placing exits and counting FLOPs once; every model is a copy
             try:  # exit_costs: cumulative FLOPs of exiting at t, the price's and the frontier's cost
-                self._networks = {key: build_network(
+                return build_network(
                     m.arch, len(imgs.classes), cfg.data.size, m.ic_positions or None, in_channels=imgs.train.image_shape[0],
-                    fc_width=None if m.fc_width < 0 else m.fc_width, dropout=m.dropout, width=m.width or None)}
+                    fc_width=None if m.fc_width < 0 else m.fc_width, dropout=m.dropout, width=m.width or None)
             except ValueError as e:
                 raise ConfigError(f"model ({m.arch} at data.size {cfg.data.size}): {e}") from None
-        return copy.deepcopy(self._networks[key])
+        key = f"network {(m, cfg.data.size, len(imgs.classes), imgs.train.image_shape[0])!r}"
+        return copy.deepcopy(self.cached(key, build))
 
     def build_models(self, cfg: ClassifyConfig, device) -> dict[str, StoppingModel]:
         torch.manual_seed(derive_seed(cfg.seed, "init") % 2**63)

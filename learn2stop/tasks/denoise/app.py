@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -47,16 +46,6 @@ class DenoiseApp(StoppingApp):
     export_dynamic_dims = {"inputs": [2, 3]}  # export: images of any height and width
     speed_samples = 24  # the first 24 test samples (image-major: every sigma of the first images)
 
-    def __init__(self):
-        self._cache: dict[str, Any] = {}
-
-    def _cached(self, key: str, make):
-        if key not in self._cache:
-            if len(self._cache) > 8:
-                self._cache.clear()
-            self._cache[key] = make()
-        return self._cache[key]
-
     def task(self, cfg: DenoiseAppConfig) -> DenoiseTask:
         d = cfg.data
 
@@ -64,11 +53,11 @@ class DenoiseApp(StoppingApp):
             train_imgs, val_imgs = load_training_images(cfg)
             return DenoiseTask(train_imgs, val_imgs, patch_size=d.patch_size, stride=d.stride, scales=d.scales,
                                sigma_max=d.sigma_max, sigma_set=d.sigma_set, val_patches=d.val_patches, seed=cfg.seed)
-        return self._cached(f"task {to_dict(d)} {cfg.seed}", make)
+        return self.cached(f"task {to_dict(d)} {cfg.seed}", make)
 
     def eval_set(self, cfg: DenoiseAppConfig, split: str) -> list[NoisyImage]:
         """The evaluation samples of a split (see :func:`.task.eval_samples`), cached."""
-        return self._cached(f"{split} {to_dict(cfg.data)} {to_dict(cfg.eval)} {cfg.seed}", lambda: eval_samples(cfg, split))
+        return self.cached(f"{split} {to_dict(cfg.data)} {to_dict(cfg.eval)} {cfg.seed}", lambda: eval_samples(cfg, split))
 
     def build_models(self, cfg: DenoiseAppConfig, device) -> dict[str, StoppingModel]:
         m = cfg.model

@@ -133,15 +133,8 @@ class MAMLApp(StoppingApp):
     export_unsupported = ("MAML's steps are inner gradient updates (torch.func.grad of the support loss); an ONNX "
                           "inference graph has no gradient operator, so the steps cannot run in ONNX Runtime")
 
-    def __init__(self):
-        self._data: tuple[str, Data] | None = None
-        self._batches: dict[tuple, list] = {}
-
     def data(self, cfg: MAMLConfig) -> Data:
-        key = repr(to_dict(cfg.data))
-        if self._data is None or self._data[0] != key:
-            self._data, self._batches = (key, Data(cfg.data)), {}
-        return self._data[1]
+        return self.cached(f"data {to_dict(cfg.data)}", lambda: Data(cfg.data))
 
     def build_models(self, cfg: MAMLConfig, device) -> dict[str, StoppingModel]:
         maml, stop = build(cfg, device)
@@ -160,12 +153,12 @@ class MAMLApp(StoppingApp):
     def _fixed(self, cfg: MAMLConfig, split: str) -> list:
         """Fixed CPU task batches of a split, drawn once with a seed of their own."""
         n = cfg.eval.tasks if split == "test" else cfg.eval.val_tasks
-        key = (split, n, cfg.eval.chunk, cfg.seed)
         data = self.data(cfg)
-        if key not in self._batches:
+
+        def draw():
             g = torch.Generator().manual_seed(derive_seed(cfg.seed, split))
-            self._batches[key] = fixed_batches(data.sampler, data.split[split], n, g, cfg.eval.chunk)
-        return self._batches[key]
+            return fixed_batches(data.sampler, data.split[split], n, g, cfg.eval.chunk)
+        return self.cached(f"{split} tasks {to_dict(cfg.data)} {(n, cfg.eval.chunk, cfg.seed)}", draw)
 
     def eval_batches(self, cfg: MAMLConfig, split: str, device) -> list:
         return [(to_device(i, device), to_device(t, device)) for i, t in self._fixed(cfg, split)]

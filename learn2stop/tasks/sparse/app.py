@@ -38,14 +38,8 @@ from .task import SparseRecoveryTask
 class SparseApp(StoppingApp):
     """LISTA-stop on the core pipeline: LISTA baseline, Stage I, II, optional III, AEVB."""
 
-    def __init__(self):
-        self._tasks: dict[str, SparseRecoveryTask] = {}
-
     def task(self, cfg: SparseConfig) -> SparseRecoveryTask:
-        key = repr(to_dict(cfg.problem))
-        if key not in self._tasks:
-            self._tasks = {key: SparseRecoveryTask(cfg.problem)}
-        return self._tasks[key]
+        return self.cached(f"task {to_dict(cfg.problem)}", lambda: SparseRecoveryTask(cfg.problem))
 
     def build_models(self, cfg: SparseConfig, device) -> dict[str, StoppingModel]:
         task, L = self.task(cfg), cfg.lista
