@@ -160,9 +160,7 @@ def as_run(run: "RunContext | str | Path") -> "RunContext":
 
 def train_pipeline(app: Any, cfg: Any, run: "RunContext | str | Path", note: str = "") -> dict:
     """The ``train`` command of every task: check and lock the run directory, then the core pipeline."""
-    from ..core.pipeline import run_pipeline
-
-    from ..core.pipeline import check_config
+    from ..core.pipeline import check_config, run_pipeline
 
     check_config(cfg)
     run = as_run(run)
@@ -170,6 +168,26 @@ def train_pipeline(app: Any, cfg: Any, run: "RunContext | str | Path", note: str
     if note:
         run.log(note)
     return run_pipeline(app, cfg, run)
+
+
+def reproduce_pipeline(app: Any, cfg: Any, run: "RunContext | str | Path", train: Callable, evaluate: Callable, *,
+                       frontier: bool = False) -> dict:
+    """The ``reproduce`` command of every task: ``train`` (resuming what exists), deploy the rule calibrated to
+    keep the baseline's quality (:func:`~learn2stop.core.pipeline.deploy_calibration`), ``evaluate`` with it,
+    optionally the frontier; the total wall-clock is logged."""
+    import time
+
+    from ..core.pipeline import deploy_calibration, frontier_command
+
+    run = as_run(run)
+    t0 = time.perf_counter()
+    training = train(cfg, run)
+    deploy_calibration(app, cfg, run)
+    out = {"training": training, **evaluate(cfg, run)}
+    if frontier:
+        out["frontier"] = frontier_command(app, cfg, run)["summary"]
+    run.log(f"total wall-clock: {time.perf_counter() - t0:.0f}s")
+    return out
 
 
 @dataclass

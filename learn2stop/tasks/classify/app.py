@@ -27,7 +27,7 @@ from ...core.calibration import calibrate_budget
 from ...utils.config import ConfigError
 from ...utils.report import markdown_table, write_json
 from ...utils.images import list_image_files
-from ..base import TaskSpec, as_run, register_task, train_pipeline
+from ..base import TaskSpec, as_run, register_task, reproduce_pipeline, train_pipeline
 from .config import PRESETS, SOURCES, ClassifyConfig  # noqa: F401  (the task's public names)
 from .data import ImageDataError, load_image_file
 from .models import build_network, initialise
@@ -209,14 +209,7 @@ def predict(cfg: ClassifyConfig, run) -> dict:
 def reproduce(cfg: ClassifyConfig, run) -> dict:
     """Train every network; deploy the rule calibrated to keep the network alone's accuracy (when the stop
     model leads it at full depth); Table 7, then the frontier."""
-    from ...core.pipeline import deploy_calibration, frontier_command
-
-    run = as_run(run)
-    train(cfg, run)
-    deploy_calibration(APP, cfg, run)
-    out = evaluate(cfg, run)
-    out["frontier"] = frontier_command(APP, cfg, run)["summary"]
-    return out
+    return reproduce_pipeline(APP, cfg, run, train, evaluate, frontier=True)
 
 
 SPEC = register_task(TaskSpec(

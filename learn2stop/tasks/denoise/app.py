@@ -21,11 +21,11 @@ import torch
 
 from ...core import FixedDepth, Metric, StoppingModel, derive_seed, run_with_early_exit
 from ...core.evaluation import collect_trace, evaluate_rule
-from ...core.pipeline import Stage, StoppingApp, check_config, deploy_calibration, deployed_rule, load_stage, min_step_hook
+from ...core.pipeline import Stage, StoppingApp, check_config, deployed_rule, load_stage, min_step_hook
 from ...core.rules import ToleranceSignal
 from ...utils.config import ConfigError, to_dict
 from ...utils.report import write_json
-from ..base import RunContext, TaskSpec, as_run, register_task, train_pipeline
+from ..base import RunContext, TaskSpec, as_run, register_task, reproduce_pipeline, train_pipeline
 from .data import ImageDataError, add_noise, list_images, load_image, save_image
 from .metrics import bm3d_scores, comparison_examples, comparison_figure, ms_per_image, psnr, summarise, table6
 from .models import DeepSupervisedDnCNN
@@ -161,14 +161,8 @@ def evaluate(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
 
 
 def reproduce(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
-    """Train everything (resuming what exists), then evaluate (Table 6 and the figure)."""
-    run = as_run(run)
-    t0 = time.perf_counter()
-    out = {"training": train(cfg, run)}
-    deploy_calibration(APP, cfg, run)
-    out.update(evaluate(cfg, run))
-    run.log(f"total wall-clock: {time.perf_counter() - t0:.0f}s")
-    return out
+    """Train everything (resuming what exists), deploy the calibrated default, then evaluate (Table 6, the figure)."""
+    return reproduce_pipeline(APP, cfg, run, train, evaluate)
 
 
 def denoise_files(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:

@@ -20,11 +20,11 @@ from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, Stopping
 from ...core.evaluation import collect_trace, evaluate_rule
 from ...core.objectives import stage_field
 from ...core.rules import FixedDepth
-from ...core.pipeline import Stage, StoppingApp, check_config, deploy_calibration, deployed_rule, load_stage
+from ...core.pipeline import Stage, StoppingApp, check_config, deployed_rule, load_stage
 from ...core.trainer import derive_seed
 from ...utils.config import ints_at_least, preset_config, require, to_dict
 from ...utils.report import write_json
-from ..base import RunContext, TaskSpec, as_run, register_task, train_pipeline
+from ..base import RunContext, TaskSpec, as_run, register_task, reproduce_pipeline, train_pipeline
 from .losses import query_metric
 from .models import ModelConfig, build, loss_kind, step_view
 from .task import (Data, DataConfig, MetaLearningTask, fixed_batches, plot_stop_by_shot, results_markdown,
@@ -241,11 +241,9 @@ def evaluate(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
 
 
 def reproduce(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
-    """Train both methods (resuming what exists), then evaluate them on the same test tasks."""
-    run = as_run(run)
-    train(cfg, run)
-    deploy_calibration(APP, cfg, run)
-    return evaluate(cfg, run)
+    """Train both methods (resuming what exists), deploy the calibrated default, then evaluate them on the same
+    test tasks."""
+    return reproduce_pipeline(APP, cfg, run, train, evaluate)
 
 
 SPEC = register_task(TaskSpec(

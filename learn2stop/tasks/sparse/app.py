@@ -18,12 +18,12 @@ import torch
 from ...core import Metric, StoppingModel, stop_time_distribution
 from ...core.evaluation import collect_trace, evaluate_rule
 from ...core.loop import unroll
-from ...core.pipeline import (Stage, StoppingApp, check_config, deploy_calibration, deployed_rule, load_stage,
+from ...core.pipeline import (Stage, StoppingApp, check_config, deployed_rule, load_stage,
                               min_step_hook, stop_model_trace)
 from ...core.rules import ToleranceSignal
 from ...utils.config import to_dict
 from ...utils.report import write_json
-from ..base import RunContext, TaskSpec, as_run, register_task, train_pipeline
+from ..base import RunContext, TaskSpec, as_run, register_task, reproduce_pipeline, train_pipeline
 from .models import FISTA, ISTA, LISTA
 from .policy import SparseDepthPlanner, SparseStopPolicy
 from .config import PRESETS, SparseConfig, equal_budget_config, preset  # noqa: F401  (the task's public names)
@@ -229,14 +229,8 @@ def evaluate(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
 
 
 def reproduce(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
-    """Train everything (resuming what exists), then evaluate: Tables 1-2 and Figure 4."""
-    run = as_run(run)
-    t0 = time.perf_counter()
-    train(cfg, run)
-    deploy_calibration(APP, cfg, run)
-    results = evaluate(cfg, run)
-    run.log(f"total wall-clock: {time.perf_counter() - t0:.0f}s")
-    return results
+    """Train everything (resuming what exists), deploy the calibrated default, then evaluate: Tables 1-2, Figure 4."""
+    return reproduce_pipeline(APP, cfg, run, train, evaluate)
 
 
 SPEC = register_task(TaskSpec(
