@@ -60,7 +60,7 @@ OPTIONAL_MEMBERS: dict[str, Any] = {"exit_costs": None, "min_step": 1, "plan_ste
 
 def member(obj: Any, name: str) -> Any:
     """The optional member ``name`` of a model, policy or rule (:data:`OPTIONAL_MEMBERS`), or what its absence
-    means; the one place the library looks them up."""
+    means; the loop, the rules, calibration, export and the backends look them up here."""
     default = OPTIONAL_MEMBERS[name]
     return default if obj is None else getattr(obj, name, default)
 

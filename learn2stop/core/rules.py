@@ -61,15 +61,15 @@ class _Stateful(StopSignal):
 
     def _state(self, view: StepView, init: Callable[[int], Tensor]) -> Tensor:
         mem = getattr(self, "_memory", None)
-        if view.t <= self.first_step or mem is None:
-            need = int(view.index.max()) + 1 if view.index.numel() else 0
-            if mem is None or mem.shape[0] < need:
-                grown = init(need)
-                if mem is not None:
-                    grown[:mem.shape[0]] = mem
-                self._memory = mem = grown
-            if view.t <= self.first_step:
-                mem[view.index] = init(view.index.numel())
+        if mem is not None and view.t > self.first_step:
+            return mem
+        need = int(view.index.max()) + 1 if view.index.numel() else 0  # once per rollout: the rows start here
+        if mem is None or mem.shape[0] < need:
+            grown = init(need)
+            if mem is not None:
+                grown[:mem.shape[0]] = mem
+            self._memory = mem = grown
+        mem[view.index] = init(view.index.numel())
         return mem
 
 
