@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from learn2stop.core.calibration import CalibrationTarget  # noqa: E402
 from learn2stop.core.pipeline import calibrate_command, frontier_command  # noqa: E402
 from learn2stop.tasks.base import RunContext  # noqa: E402
 from learn2stop.tasks.denoise.app import APP, evaluate, train  # noqa: E402
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
     train(cfg, run)
     t_train = time.perf_counter() - t0
     frontier = frontier_command(APP, cfg, run, speed=False)
-    cal = calibrate_command(APP, cfg, run, epsilon=args.epsilon, delta=args.delta)
+    cal = calibrate_command(APP, cfg, run, CalibrationTarget(epsilon=args.epsilon, delta=args.delta))
     out = evaluate(cfg, run)
     t_eval = time.perf_counter() - t0 - t_train
     print(f"\nbudget {args.budget}: training {t_train / 60:.1f} min, frontier, calibration and evaluation "

@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .tasks.base import TRAINING_COMMANDS, RunContext, get_task, list_tasks
+from .tasks.base import TRAINING_COMMANDS, CommandOptions, RunContext, get_task, list_tasks
 from .utils.checkpoint import CheckpointError
 from .utils.config import ConfigError, add_config_arguments, overrides_from_args, resolve
 
@@ -56,44 +56,22 @@ def build_parser(task_name: str) -> argparse.ArgumentParser:
     return parser
 
 
-#: command-line options that only some commands read: anywhere else they would be silently ignored
-COMMAND_OPTIONS = {"budget": ("calibrate",), "epsilon": ("calibrate",), "delta": ("calibrate",), "rule": ("calibrate",),
-                   "no_speed": ("frontier",), "backend": ("evaluate", "frontier"), "no_resume": ("train", "reproduce"), "out": ("export",)}
-
-
-def check_command_options(args: argparse.Namespace, spec, cfg) -> None:
-    """Refuse an option the command does not read, a calibration target that is not exactly one, and a
-    stop rule the task does not have, before any run directory is touched."""
-    from .core.calibration import check_budget, check_risk
+def check_command_options(args: argparse.Namespace, spec, cfg) -> CommandOptions:
+    """The command's options, typed and checked (:class:`CommandOptions`), and its rules the task's own, before
+    any run directory is touched."""
     from .core.pipeline import check_rule
 
-    for name, commands in COMMAND_OPTIONS.items():
-        value = getattr(args, name, None)
-        if value not in (None, False) and args.command not in commands:
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"{flag}: only the {' and '.join(repr(c) for c in commands)} command(s) read it; "
-                              f"'{args.command}' would ignore it")
+    options = CommandOptions(command=args.command, budget=args.budget, epsilon=args.epsilon, delta=args.delta,
+                             rule=args.rule, no_speed=args.no_speed, backend=args.backend, out=args.out)
+    if args.no_resume and args.command not in TRAINING_COMMANDS:
+        raise ConfigError(f"--no-resume: only the {' and '.join(repr(c) for c in TRAINING_COMMANDS)} command(s) read it; "
+                          f"'{args.command}' would ignore it")
     if spec.app is not None:
         check_rule(spec.app, cfg, cfg.inference.rule if hasattr(cfg, "inference") else "quantile", "inference.rule",
                    spec.name)
-    if args.command == "calibrate":
-        if (args.budget is None) == (args.epsilon is None):
-            raise ConfigError("calibrate: give exactly one target: --budget B (mean cost as a fraction of full depth) "
-                              "or --epsilon E [--delta D] (allowed loss of quality with risk level delta)")
-        if args.budget is not None:
-            check_budget(args.budget)
-            if args.delta is not None:
-                raise ConfigError("--delta: the risk level goes with --epsilon; a --budget target has none")
-        else:
-            check_risk(args.epsilon, 0.1 if args.delta is None else args.delta)
-        if args.rule is not None:
-            check_rule(spec.app, cfg, args.rule, "--rule", spec.name)
-    if args.backend is not None:
-        from .backends import parse_backends
-
-        names = parse_backends(args.backend)
-        if args.command == "evaluate" and len(names) > 1:
-            raise ConfigError(f"--backend: evaluate runs on one backend; got {args.backend!r} (frontier takes several)")
+        if options.rule is not None:
+            check_rule(spec.app, cfg, options.rule, "--rule", spec.name)
+    return options
 
 
 def _new_folder_root(path: Path) -> Path | None:
@@ -179,14 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     run = RunContext(run_dir=Path(args.run_dir or f"runs/{task_name}-{args.preset}"), ctx=ctx,
-                     progress=not args.no_progress, resume=not args.no_resume,
-                     options={"budget": args.budget, "epsilon": args.epsilon,
-                              "delta": 0.1 if args.delta is None else args.delta, "rule": args.rule,
-                              "no_speed": args.no_speed, "out": args.out, "backend": args.backend})
+                     progress=not args.no_progress, resume=not args.no_resume)
     new_folder = _new_folder_root(run.run_dir) if args.command in TRAINING_COMMANDS else None
     failed = True
     try:
-        check_command_options(args, spec, cfg)  # the flags first: a bad option touches no run directory
+        run.options = check_command_options(args, spec, cfg)  # the flags first: a bad option touches no run directory
         if args.command == "export":  # likewise: a bad --out touches no run directory
             from .export import check_out_dir
 

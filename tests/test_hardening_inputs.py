@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 
 import numpy as np
@@ -75,6 +76,34 @@ def test_refused_before_any_folder_is_made_naming_the_flag(args, message, tmp_pa
     assert rc == 2 and message in err, err
     assert "method.method" not in err
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"command": "evaluate", "budget": 0.5}, "--budget: only the 'calibrate' command(s) read it"),
+    ({"command": "train", "backend": "torch"}, "--backend: only the 'evaluate' and 'frontier' command(s)"),
+    ({"command": "calibrate"}, "give exactly one target"),
+    ({"command": "calibrate", "budget": 1.5}, "--budget: the budget is a fraction of full depth in (0, 1]"),
+    ({"command": "calibrate", "epsilon": -0.1}, "--epsilon: the allowed loss of quality must be"),
+    ({"command": "evaluate", "backend": "torch,onnxruntime"}, "--backend: evaluate runs on one backend"),
+    ({"command": "frontier", "backend": "tensorrt"}, "tensorrt"),
+])
+def test_command_options_are_typed_and_checked_once_when_made(kwargs, message):
+    from learn2stop.tasks.base import CommandOptions
+
+    with pytest.raises(ValueError, match=re.escape(message)):  # a ConfigError, or the backends' BackendError
+        CommandOptions(**kwargs)
+
+
+def test_a_calibration_target_is_one_of_budget_or_risk():
+    from learn2stop.core.calibration import CalibrationTarget
+    from learn2stop.tasks.base import CommandOptions
+
+    assert CommandOptions(command="calibrate", epsilon=0.2).target == CalibrationTarget(epsilon=0.2)
+    assert CalibrationTarget(epsilon=0.2).risk_level == 0.1 and CalibrationTarget(epsilon=0.2, delta=0.05).risk_level == 0.05
+    assert CommandOptions(command="frontier", backend="onnxruntime,torch").backends == ("onnxruntime", "torch")
+    assert CommandOptions().backends == ("torch",)
+    with pytest.raises(ConfigError, match="the risk level goes with --epsilon"):
+        CalibrationTarget(budget=0.5, delta=0.1)
 
 
 def test_a_refused_data_load_leaves_no_new_folder(tmp_path, capsys):

@@ -201,6 +201,32 @@ def check_budget(budget: float, flag: str = "--budget") -> None:
         raise ConfigError(f"{flag}: the budget is a fraction of full depth in (0, 1]; got {budget!r}")
 
 
+@dataclass(frozen=True)
+class CalibrationTarget:
+    """What ``calibrate`` aims at, checked once when made: a budget (mean cost at most ``budget`` of full depth)
+    or a risk level (quality worse than full depth by at most ``epsilon``, with probability >= 1 - ``delta``).
+    Exactly one of ``budget`` and ``epsilon``; ``delta`` goes with ``epsilon`` only (default 0.1)."""
+
+    budget: float | None = None
+    epsilon: float | None = None
+    delta: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.budget is None) == (self.epsilon is None):
+            raise ConfigError("calibrate: give exactly one target: --budget B (mean cost as a fraction of full depth) "
+                              "or --epsilon E [--delta D] (allowed loss of quality with risk level delta)")
+        if self.budget is not None:
+            check_budget(self.budget)
+            if self.delta is not None:
+                raise ConfigError("--delta: the risk level goes with --epsilon; a --budget target has none")
+        else:
+            check_risk(self.epsilon, self.risk_level)
+
+    @property
+    def risk_level(self) -> float:
+        return 0.1 if self.delta is None else self.delta
+
+
 def _check_scores(scores: Any, signal_name: str) -> None:
     """(N, T-1) finite-or-inf scores of a known signal, N >= 1 (ValueError naming the argument otherwise)."""
     if not isinstance(scores, Tensor):

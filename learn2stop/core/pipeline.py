@@ -27,7 +27,7 @@ from ..utils.config import ConfigError
 from ..utils.distributed import DistContext
 from ..utils.report import write_json, write_text_atomic
 from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rule, policy_rules, calibrate_budget, calibrate_risk,
-                          check_budget, check_risk, load_calibration, save_calibration)
+                          CalibrationTarget, load_calibration, save_calibration)
 from .evaluation import (BackendError, Metric, Trace, budget_curve, collect_trace, fixed_depth_curve, frontier_markdown, frontier_plot,
                          SPEED_KEYS, frontier_summary, frontier_time_plot, measure_speed, oracle_curve, speed_at_quality,
                          sweep_curve, _point)
@@ -321,16 +321,12 @@ def stop_model_trace(app: StoppingApp, cfg, sm: StoppingModel, split: str, devic
 
 
 # ----------------------------------------------------------------------------- commands
-def calibrate_command(app: StoppingApp, cfg: Any, run: Run, *, budget: float | None = None, epsilon: float | None = None,
-                      delta: float = 0.1, rule: str | None = None) -> Calibration:
-    """Calibrate the policy rule on the validation split for a budget or a risk level; save and report it."""
-    if (budget is None) == (epsilon is None):
-        raise ConfigError("calibrate: give exactly one target: --budget B (mean cost as a fraction of full depth) "
-                          "or --epsilon E [--delta D] (allowed loss of quality with risk level delta)")
-    if budget is not None:
-        check_budget(budget)
-    else:
-        check_risk(epsilon, delta)
+def calibrate_command(app: StoppingApp, cfg: Any, run: Run, target: CalibrationTarget, *,
+                      rule: str | None = None) -> Calibration:
+    """Calibrate a rule (default ``inference.rule``) on the validation split for ``target``; save and report it."""
+    if not isinstance(target, CalibrationTarget):
+        raise TypeError(f"target: expected a CalibrationTarget(budget=...) or CalibrationTarget(epsilon=..., delta=...); "
+                        f"got {type(target).__name__}")
     rule = rule or app.inference(cfg).rule
     check_rule(app, cfg, rule, "--rule")
     _require_trained(run.run_dir, app.stop_stage, "calibrate")
@@ -342,12 +338,12 @@ def calibrate_command(app: StoppingApp, cfg: Any, run: Run, *, budget: float | N
     test = stop_model_trace(app, cfg, sm, "test", run.device)
     signal = make_signal(rule, sm.policy) if SIGNALS[rule].needs_policy else app.classical_signals(cfg)[rule]()
     metric = app.metric(cfg)
-    if budget is not None:
+    if target.budget is not None:
         costs = val.costs if app.budget_by == "cost" else torch.arange(1, val.num_steps + 1) / val.num_steps
-        cal = calibrate_budget(val.signals[rule], costs, budget, rule, signal.to_param)
+        cal = calibrate_budget(val.signals[rule], costs, target.budget, rule, signal.to_param)
     else:
         losses, rng = app.risk_losses(cfg, val)
-        cal = calibrate_risk(val.signals[rule], losses, epsilon, delta, rule, costs=val.costs, loss_range=rng,
+        cal = calibrate_risk(val.signals[rule], losses, target.epsilon, target.risk_level, rule, costs=val.costs, loss_range=rng,
                              to_param=signal.to_param)
     stops = first_crossing(test.signals[rule], cal.threshold)
     test_losses, _ = app.risk_losses(cfg, test)

@@ -26,6 +26,53 @@ def run_fingerprint(cfg: Any) -> dict:
     return {k: v for k, v in to_dict(cfg).items() if k not in readers}
 
 
+#: the command-line options that only some commands read: anywhere else they would be silently ignored
+OPTION_READERS = {"budget": ("calibrate",), "epsilon": ("calibrate",), "delta": ("calibrate",), "rule": ("calibrate",),
+                  "no_speed": ("frontier",), "backend": ("evaluate", "frontier"), "out": ("export",)}
+
+
+@dataclass(frozen=True)
+class CommandOptions:
+    """The options of one command beyond the config (``--budget``, ``--backend``, ...), checked once when made:
+    an option the command does not read, a calibration target that is not exactly one, an unknown backend.
+    Whether ``rule`` is one of the task's rules is for the task to say (:func:`~learn2stop.core.pipeline.check_rule`)."""
+
+    command: str = "train"
+    budget: float | None = None
+    epsilon: float | None = None
+    delta: float | None = None
+    rule: str | None = None
+    no_speed: bool = False
+    backend: str | None = None  # comma-separated backend names
+    out: str | None = None
+
+    def __post_init__(self) -> None:
+        from ..utils.config import ConfigError
+
+        for name, commands in OPTION_READERS.items():
+            if getattr(self, name) not in (None, False) and self.command not in commands:
+                raise ConfigError(f"--{name.replace('_', '-')}: only the {' and '.join(repr(c) for c in commands)} "
+                                  f"command(s) read it; '{self.command}' would ignore it")
+        if self.command == "calibrate":
+            self.target  # noqa: B018 - exactly one target, in range
+        if self.backend is not None and len(self.backends) > 1 and self.command == "evaluate":
+            raise ConfigError(f"--backend: evaluate runs on one backend; got {self.backend!r} (frontier takes several)")
+
+    @property
+    def target(self):
+        """What ``calibrate`` aims at (:class:`~learn2stop.core.calibration.CalibrationTarget`)."""
+        from ..core.calibration import CalibrationTarget
+
+        return CalibrationTarget(self.budget, self.epsilon, self.delta)
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The backend names asked for, in order (default ``("torch",)``; refused if unknown or repeated)."""
+        from ..backends import parse_backends
+
+        return tuple(parse_backends(self.backend))
+
+
 @dataclass
 class RunContext:
     """Where a command writes, and how it runs: decided by the CLI (or a script), passed down (the core reads it
@@ -35,7 +82,7 @@ class RunContext:
     ctx: DistContext = field(default_factory=DistContext)
     progress: bool = True
     resume: bool = True
-    options: dict = field(default_factory=dict)  # command-specific flags (--budget, --epsilon, ...)
+    options: CommandOptions = field(default_factory=CommandOptions)
 
     @property
     def device(self):
@@ -43,15 +90,15 @@ class RunContext:
 
     @property
     def runners(self) -> dict[str, Callable]:
-        """Backend name -> runner, from ``options["backend"]`` (``torch``, ``compile``, ``onnxruntime``,
+        """Backend name -> runner, from ``options.backend`` (``torch``, ``compile``, ``onnxruntime``,
         comma-separated for a frontier side by side; see :mod:`learn2stop.backends`). Built once."""
         if getattr(self, "_runners", None) is None:
             import torch
 
-            from ..backends import make_runner, parse_backends
+            from ..backends import make_runner
 
             self._runners = {n: make_runner(n, threads=torch.get_num_threads())
-                             for n in parse_backends(self.options.get("backend"))}
+                             for n in self.options.backends}
         return self._runners
 
     @property
@@ -212,17 +259,15 @@ def register_task(spec: TaskSpec) -> TaskSpec:
         from ..core.pipeline import calibrate_command, frontier_command
 
         def calibrate(cfg, run):
-            o = run.options
-            return calibrate_command(spec.app, cfg, run, budget=o.get("budget"), epsilon=o.get("epsilon"),
-                                     delta=o.get("delta", 0.1), rule=o.get("rule"))
+            return calibrate_command(spec.app, cfg, run, run.options.target, rule=run.options.rule)
 
         def frontier(cfg, run):
-            return frontier_command(spec.app, cfg, run, speed=not run.options.get("no_speed", False), runners=run.runners)
+            return frontier_command(spec.app, cfg, run, speed=not run.options.no_speed, runners=run.runners)
 
         def export(cfg, run):
             from ..export import export_command
 
-            return export_command(spec.app, cfg, run, out=run.options.get("out"), task=spec.name)
+            return export_command(spec.app, cfg, run, out=run.options.out, task=spec.name)
 
         spec.commands.setdefault("calibrate", calibrate)
         spec.commands.setdefault("frontier", frontier)
