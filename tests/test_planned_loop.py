@@ -155,6 +155,41 @@ def test_price_rule_is_argmax_of_repriced_plan_online_and_offline():
     assert len(depths) > 2  # the price moves the depth: one policy, many budgets
 
 
+class DirectPlanner(Planner):
+    """The same plans, also handed to the price rule as log q_phi (``plan_log_q``): no round trip via logits."""
+
+    def plan_log_q(self, y, x, t):
+        assert t == self.plan_step
+        self.calls += 1
+        return torch.log_softmax(self.net(x), dim=1)
+
+
+@pytest.mark.parametrize("s", [1, 3])
+def test_plan_log_q_stops_where_the_logits_round_trip_does(s):
+    from learn2stop.core.rules import PriceSignal
+
+    torch.manual_seed(5)
+    T = 8
+    model, direct = ToyStepModel(num_steps=T), DirectPlanner(T, plan_step=s)
+    via_logits = Planner(T, plan_step=s)
+    via_logits.load_state_dict(direct.state_dict())
+    with torch.no_grad():
+        direct.net.weight.mul_(6), via_logits.net.weight.mul_(6)
+        y = torch.randn(80, 3)
+        for price in (0.0, 1.0, 5.0):
+            a = run_with_early_exit(model, y, SignalRule.from_param(PriceSignal(direct), price))
+            b = run_with_early_exit(model, y, SignalRule.from_param(PriceSignal(via_logits), price))
+            assert torch.equal(a.stop_times, b.stop_times) and torch.equal(a.outputs, b.outputs)
+    assert direct.calls == 3 and len(set(a.stop_times.tolist())) > 1  # once per rollout; the plans differ
+
+    class BadShape(DirectPlanner):
+        def plan_log_q(self, y, x, t):
+            return torch.zeros(x.shape[0], T - 1)
+
+    with pytest.raises(ValueError, match=r"plan_log_q \(plan_step=1\) must return log q_phi of steps 1..T"):
+        run_with_early_exit(model, y, SignalRule.from_param(PriceSignal(BadShape(T, plan_step=1)), 1.0))
+
+
 def test_price_zero_is_the_map_stop_time_of_the_plan():
     """Fed one price the price-conditioned rule is the single-price plan's own choice: price 0 stops at
     q_phi's most likely step (the MAP target of Stage II)."""

@@ -219,14 +219,14 @@ def measure_speed(model: Any, inputs: Any, rule_factory: Callable[[], Any], batc
     Runs over ``inputs`` (batch-first tree) chunk by chunk, after one warm-up chunk (which also compiles
     or exports, for such a ``runner``), ``repeats`` times, and keeps the fastest pass (the least disturbed
     by other work on the machine). A pass stops early after ``max_seconds``. On CUDA the clock waits for
-    the device.
+    the device. Runs under ``torch.inference_mode``.
     """
     leaves = tree_leaves(inputs)
     n = leaves[0].shape[0]
     cuda = leaves[0].is_cuda
     chunks = [tree_map(lambda x: x[i:i + batch_size], inputs) for i in range(0, n, batch_size)]
     best = 0.0
-    with torch.no_grad():
+    with torch.inference_mode():  # as a deployment runs: no autograd bookkeeping, for every rule alike
         runner(model, chunks[0], rule_factory())  # warm-up
         for _ in range(repeats):
             if cuda:

@@ -54,8 +54,11 @@ def first_ask(rule: Any) -> int:
 #: - ``exit_costs`` (model): cumulative cost of stopping at t = 1..T (FLOPs, MACs); absent: t;
 #: - ``min_step`` (policy): the first step it is asked at (pi_t = 0 before); absent: 1;
 #: - ``plan_step`` (policy or rule): it plans every step's stop at once, at this step; absent: per step;
+#: - ``plan_log_q`` (planning policy): ``plan_log_q(inputs, output, t) -> (B, T)`` log q_phi, what its stop
+#:   logits are made from, read directly by rules that want the plan (the price rule); absent: from the logits;
 #: - ``first_step`` (rule): the first step the loop asks it at (2 for a tolerance test); absent: 1.
-OPTIONAL_MEMBERS: dict[str, Any] = {"exit_costs": None, "min_step": 1, "plan_step": None, "first_step": 1}
+OPTIONAL_MEMBERS: dict[str, Any] = {"exit_costs": None, "min_step": 1, "plan_step": None, "plan_log_q": None,
+                                    "first_step": 1}
 
 
 def member(obj: Any, name: str) -> Any:
@@ -422,6 +425,24 @@ def _policy_logits(policy: nn.Module, inputs: Any, output: Any, t: int, B: int) 
     if logits.shape != (B,):
         raise ValueError(f"a policy must return one stop logit per sample, shape ({B},); got {tuple(logits.shape)}")
     return logits
+
+
+def planned_log_q(policy: nn.Module, inputs: Any, output: Any, t: int, B: int, T: int) -> Tensor:
+    """A planning policy's (B, T) log q_phi from its one call at step t = ``plan_step``; only steps t..T are
+    meant to be read (q_phi renormalised on them stops at the same argmax). From its ``plan_log_q`` when it has
+    one (no round trip through stop logits, which at batch 1 costs as much as a step), else from its logits."""
+    direct = member(policy, "plan_log_q")
+    if direct is None:
+        from .distributions import log_stop_time_distribution
+
+        return log_stop_time_distribution(planned_logits(policy, inputs, output, t, B, T).float())
+    log_q = direct(inputs, output, t)
+    if log_q.shape != (B, T):
+        raise ValueError(f"a planning policy's plan_log_q (plan_step={t}) must return log q_phi of steps 1..T, "
+                         f"shape ({B}, {T}); got {tuple(log_q.shape)}")
+    if not bool(torch.isfinite(log_q[:, t - 1:]).all()):
+        raise ValueError(f"the planning policy returned NaN or inf log q_phi at its plan step {t}")
+    return log_q.float()
 
 
 def planned_logits(policy: nn.Module, inputs: Any, output: Any, t: int, B: int, T: int) -> Tensor:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .loop import StepView, _policy_logits, member, planned_logits
+from .loop import StepView, _policy_logits, member, planned_log_q, planned_logits
 from .trees import tree_leaves
 
 
@@ -179,10 +179,7 @@ class PriceSignal(_LowerStops, _PolicyBased):
     def plan_times(self, view: StepView, threshold: float) -> Tensor:
         """Online, the stop times directly: argmax_t log q_phi(t) - price * t / T over the steps from the plan
         step (equal to the first crossing of :meth:`scores`, without its O(T^3) envelope)."""
-        from .distributions import log_stop_time_distribution
-
-        log_q = log_stop_time_distribution(planned_logits(self.policy, view.inputs, view.output, view.t,
-                                                          view.index.numel(), view.num_steps).float())
+        log_q = planned_log_q(self.policy, view.inputs, view.output, view.t, view.index.numel(), view.num_steps)
         T = log_q.shape[1]
         if threshold == math.inf:  # the calibrators' "never stop early"
             return torch.full((log_q.shape[0],), T, dtype=torch.long, device=log_q.device)

@@ -139,8 +139,11 @@ class SparseDepthPlanner(MinStep, nn.Module):
         return torch.cat([logs, (logs[:, 1] - logs[:, 0]).unsqueeze(1), (logs[:, 2] - logs[:, 4]).unsqueeze(1),
                           support.unsqueeze(1)], dim=1)
 
+    def plan_log_q(self, y: Tensor, x: Tensor, t: int) -> Tensor:
+        """The planned (B, T) log q_phi (the price rule reads it directly)."""
+        return torch.log_softmax(self.net(self.extract(y, x)), dim=1)
+
     def forward(self, y: Tensor, x: Tensor, t: int) -> Tensor:
         from ...core.distributions import stop_logits_from_distribution
 
-        log_q = torch.log_softmax(self.net(self.extract(y, x)), dim=1)  # (B, T)
-        return stop_logits_from_distribution(log_q)
+        return stop_logits_from_distribution(self.plan_log_q(y, x, t))
