@@ -175,6 +175,28 @@ def test_risk_control_holds_in_at_least_1_minus_delta_of_random_splits():
     assert sum(saved) / len(saved) > 0.1  # and it does stop early: the guarantee is not bought by never stopping
 
 
+def test_match_calibration_is_the_cheapest_threshold_reaching_the_goal():
+    """With no full-depth lead, an earlier exit may still match the baseline: the cheapest threshold whose
+    metric reaches the goal, found by brute force over every candidate; None when none reaches it."""
+    from learn2stop.core.calibration import _candidates, calibrate_match
+
+    g = torch.Generator().manual_seed(1)
+    N, T = 400, 6
+    right = (torch.rand(N, T, generator=g) < torch.tensor([0.4, 0.55, 0.65, 0.75, 0.72, 0.7])).float()  # exit 4 best
+    scores = torch.rand(N, T - 1, generator=g) + torch.linspace(0, 1, T - 1)
+    c = torch.arange(1, T + 1.0) / T
+    accuracy = lambda stops: float(right.gather(1, (stops - 1)[:, None]).mean())  # noqa: E731
+    goal = float(right[:, -1].mean())
+    cal = calibrate_match(scores, c, accuracy, lambda a, b: a >= b, goal, "quantile")
+    stops = first_crossing(scores, cal.threshold)
+    assert accuracy(stops) >= goal and cal.calibration["metric"] == accuracy(stops)
+    assert cal.target["kind"] == "match" and cal.calibration["mean_cost"] < 1
+    cheapest = min(float(c[first_crossing(scores, float(t)) - 1].mean()) for t in _candidates(scores, 200)
+                   if accuracy(first_crossing(scores, float(t))) >= goal)
+    assert float(c[stops - 1].mean()) == pytest.approx(cheapest)
+    assert calibrate_match(scores, c, accuracy, lambda a, b: a >= b, 0.99, "quantile") is None
+
+
 def test_bad_calibration_targets_name_the_flag():
     s, c = torch.rand(5, 3), torch.arange(1, 5.0) / 4
     for b in (0.0, -0.1, 1.5, float("nan")):

@@ -282,6 +282,33 @@ def calibrate_budget(scores: Tensor, costs: Tensor, budget: float, signal_name: 
                                     "samples": int(scores.shape[0])})
 
 
+def calibrate_match(scores: Tensor, costs: Tensor, metric_at, better, goal: float, signal_name: str,
+                    to_param=lambda x: x, max_candidates: int = 200) -> Calibration | None:
+    """The cheapest threshold whose metric on these samples is at least as good as ``goal``: an empirical
+    operating point, with no guarantee on new data (what is left when risk control has no lead to spend).
+
+    Args:
+        scores: (N, T-1) signal trace. costs: (T,) normalised cumulative costs.
+        metric_at: (N,) stop times -> the aggregated metric there. better(a, b): a is at least as good as b.
+    Returns:
+        A :class:`Calibration` (target kind ``match``), or None when no threshold reaches ``goal``.
+    """
+    _check_scores(scores, signal_name)
+    _check_costs(costs, scores.shape[1] + 1)
+    cand = _candidates(scores, max_candidates)
+    cost = mean_cost_curve(scores, costs, cand)
+    for k in cost.argsort(stable=True).tolist():  # the cheapest first
+        stops = first_crossing(scores, float(cand[k]))
+        value = metric_at(stops)
+        if better(value, goal):
+            thr = float(cand[k])
+            return Calibration(rule=signal_name, param=to_param(thr), threshold=thr,
+                               target={"kind": "match", "goal": float(goal), "guarantee": "none (empirical)"},
+                               calibration={"metric": float(value), "mean_cost": float(cost[k]),
+                                            "mean_steps": float(stops.float().mean()), "samples": int(scores.shape[0])})
+    return None
+
+
 # ----------------------------------------------------------------------------- risk control (LTT)
 def _log_binom_cdf(k: int, n: int, p: float) -> float:
     """log P(Binomial(n, p) <= k), summed in log space (float64)."""

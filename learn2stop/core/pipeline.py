@@ -26,7 +26,7 @@ import torch
 from ..utils.config import ConfigError
 from ..utils.distributed import DistContext
 from ..utils.report import write_json, write_text_atomic
-from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rule, policy_rules, calibrate_budget, calibrate_risk,
+from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rule, policy_rules, calibrate_budget, calibrate_match, calibrate_risk,
                           CalibrationTarget, load_calibration, save_calibration)
 from .evaluation import (BackendError, Metric, Trace, budget_curve, collect_trace, fixed_depth_curve, frontier_markdown, frontier_plot,
                          SPEED_KEYS, frontier_summary, frontier_time_plot, measure_speed, oracle_curve, speed_at_quality,
@@ -365,7 +365,9 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
     split with epsilon = the stop model's lead over the baseline at full depth (:meth:`StoppingApp.quality_lead`),
     so that with probability at least 1 - delta its quality on new data is at least the baseline's full depth.
     Saved as the run's ``calibration.json`` (used by ``evaluate``), unless the run already has one (a user's
-    own calibration wins). None, with the reason logged, when there is no lead to spend.
+    own calibration wins). With no lead at full depth (an earlier exit may still be better than the last), the
+    cheapest threshold that matches the baseline's full depth on validation, empirically, with no guarantee
+    (target kind ``match``). None, with the reason logged, when no threshold reaches it.
     """
     if load_calibration(run.run_dir) is not None or not app.baseline_stage:
         return None
@@ -378,20 +380,29 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
     base_val = collect_trace(base.model, app.eval_batches(cfg, "val", run.device), app.metric(cfg), run.device,
                              extras=app.trace_extras(cfg))
     lead = app.quality_lead(cfg, val, base_val)
-    if not lead > 0:
-        run.log(f"deployed rule: the stop model is not better than {app.baseline_stage} at full depth on validation "
-                f"(lead {lead:.4g}); nothing to spend, so the configured {app.inference(cfg).rule} rule stays")
-        return None
-    losses, rng = app.risk_losses(cfg, val)
     signal = make_signal(rule, sm.policy)
     costs = val.costs if app.budget_by == "cost" else torch.arange(1, val.num_steps + 1) / val.num_steps
-    cal = calibrate_risk(val.signals[rule], losses, lead, delta, rule, costs=costs, loss_range=rng, to_param=signal.to_param)
-    cal.target["reference"] = f"{app.baseline_stage} at full depth"
+    reference = f"{app.baseline_stage} at full depth"
+    if lead > 0:
+        losses, rng = app.risk_losses(cfg, val)
+        cal = calibrate_risk(val.signals[rule], losses, lead, delta, rule, costs=costs, loss_range=rng,
+                             to_param=signal.to_param)
+        how = f"epsilon = the stop model's lead {lead:.4g}, delta {delta:g}"
+    else:  # no lead at full depth, yet an earlier exit may still match the baseline (a better middle exit)
+        metric = app.metric(cfg)
+        goal = metric(base_val.metric[:, -1], base_val.extras)
+        cal = calibrate_match(val.signals[rule], costs, lambda stops: metric(val.at(stops), val.extras), metric.better,
+                              goal, rule, to_param=signal.to_param)
+        if cal is None:
+            run.log(f"deployed rule: no {rule} threshold of the stop model reaches {reference} on validation "
+                    f"(full-depth lead {lead:.4g}), so the configured {app.inference(cfg).rule} rule stays")
+            return None
+        how = f"no full-depth lead ({lead:.4g}) to certify: the cheapest threshold matching it on validation, no guarantee"
+    cal.target["reference"] = reference
     if run.ctx.is_main:
         save_calibration(cal, run.run_dir)
-    run.log(f"deployed rule: {rule} calibrated to keep {app.baseline_stage}'s full-depth quality (epsilon = the stop "
-            f"model's lead {lead:.4g}, delta {delta:g}): {signal.param_name} = {cal.param:.4g}, "
-            f"{100 * cal.calibration['mean_cost']:.1f} % of the cost on validation")
+    run.log(f"deployed rule: {rule} calibrated to keep {app.baseline_stage}'s full-depth quality ({how}): "
+            f"{signal.param_name} = {cal.param:.4g}, {100 * cal.calibration['mean_cost']:.1f} % of the cost on validation")
     return cal
 
 
