@@ -133,3 +133,19 @@ def test_every_architecture_trains_evaluates_and_predicts_a_tiny_config(arch, tm
     assert main(["classify", "predict", *args, "--predict.input", str(img)]) == 0
     pred = json.loads((run / "predictions.json").read_text())["predictions"]
     assert len(pred) == 1 and 1 <= pred[0]["exit"] <= steps
+
+
+def test_the_deployed_epsilon_is_the_accuracy_lead_not_the_consistency_risk():
+    """The stop model right on 30 images the baseline misses, wrong on 40 it gets: a lead of -10 of 100 (the
+    consistency loss would count +30 %, and let the deployed rule fall below the baseline)."""
+    from learn2stop.core.evaluation import Trace
+    from learn2stop.tasks.classify.app import APP
+
+    base_last = torch.zeros(100)
+    base_last[30:] = 1.0
+    stop_last = torch.ones(100)
+    stop_last[30:70] = 0.0
+    costs = torch.tensor([0.5, 1.0])
+    stop = Trace(metric=torch.stack([stop_last, stop_last], 1), costs=costs)
+    base = Trace(metric=torch.stack([base_last, base_last], 1), costs=costs)
+    assert APP.quality_lead(None, stop, base) == pytest.approx(-0.10)

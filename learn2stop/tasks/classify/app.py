@@ -101,6 +101,12 @@ class ClassifyApp(StoppingApp):
         """Wrong where full depth is right (CALM's consistency form), in [0, 1]: epsilon is in accuracy fraction."""
         return (trace.metric[:, -1:] - trace.metric).clamp_min(0), (0.0, 1.0)
 
+    def quality_lead(self, cfg, stop, base):
+        """The accuracy lead (fraction) at full depth. Not the default's mean of the clamped losses above, which
+        counts only the images the stop model gets right and the baseline wrong; a risk <= this lead bounds
+        the deployed accuracy below by the baseline's."""
+        return float((stop.metric[:, -1] - base.metric[:, -1]).double().mean())
+
     def cost_unit(self, cfg, sm):
         return "flops", float(sm.model.exit_costs[-1])
 
