@@ -193,7 +193,7 @@ def variants(sm: StoppingModel, rule, runtime, given: dict | None = None) -> dic
     return ways
 
 
-@torch.no_grad()
+@torch.inference_mode()  # as a deployment runs, for every variant alike
 def measure(sm: StoppingModel, rule, inputs: torch.Tensor, batches: list[int], samples: int, rounds: int,
             runtime) -> list[dict]:
     """Best-of-``rounds`` seconds per sample of every variant at every batch size, round-robin."""

@@ -156,3 +156,23 @@ def test_two_stage_training_beats_deep_supervision_baseline_on_tiny_problem(tmp_
     assert after["oracle"] < 0.7 * before["oracle"]
     assert after["policy"] < 0.8 * before["last"]
     assert after["oracle"] <= after["policy"]
+
+
+def test_the_depth_planner_features_are_the_documented_statistics():
+    """The planner's few-operation features equal their written-out definitions, and its functional MLP
+    equals the module's own forward."""
+    from learn2stop.tasks.sparse.policy import SparseDepthPlanner
+
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(12, 20, generator=g) / 4
+    planner = SparseDepthPlanner(A, num_steps=6, hidden=(16,))
+    y = torch.randn(5, 12, generator=g)
+    x = torch.randn(5, 20, generator=g) * (torch.rand(5, 20, generator=g) < 0.3)
+    r = y - x @ A.T
+    g_ = r @ A
+    logs = torch.log(torch.stack([y.norm(dim=1), r.norm(dim=1), g_.norm(dim=1), x.abs().sum(1), x.norm(dim=1)], 1) + 1e-6)
+    expected = torch.cat([logs, (logs[:, 1] - logs[:, 0])[:, None], (logs[:, 2] - logs[:, 4])[:, None],
+                          (x != 0).float().mean(1, keepdim=True)], dim=1)
+    torch.testing.assert_close(planner.extract(y, x), expected)
+    torch.testing.assert_close(planner.plan_log_q(y, x, 1), torch.log_softmax(planner.net(expected), dim=1))
+    assert set(planner.state_dict()) == {"A", *(f"net.{k}" for k in planner.net.state_dict())}  # checkpoints unchanged
