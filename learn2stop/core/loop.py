@@ -430,7 +430,7 @@ def _policy_logits(policy: nn.Module, inputs: Any, output: Any, t: int, B: int) 
 def planned_log_q(policy: nn.Module, inputs: Any, output: Any, t: int, B: int, T: int) -> Tensor:
     """A planning policy's (B, T) log q_phi from its one call at step t = ``plan_step``; only steps t..T are
     meant to be read (q_phi renormalised on them stops at the same argmax). From its ``plan_log_q`` when it has
-    one (no round trip through stop logits, which at batch 1 costs as much as a step), else from its logits."""
+    one (no round trip through stop logits: about 80 µs at batch 1, more than a LISTA step), else from its logits."""
     direct = member(policy, "plan_log_q")
     if direct is None:
         from .distributions import log_stop_time_distribution

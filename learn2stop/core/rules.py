@@ -179,10 +179,10 @@ class PriceSignal(_LowerStops, _PolicyBased):
     def plan_times(self, view: StepView, threshold: float) -> Tensor:
         """Online, the stop times directly: argmax_t log q_phi(t) - price * t / T over the steps from the plan
         step (equal to the first crossing of :meth:`scores`, without its O(T^3) envelope)."""
+        if threshold == math.inf:  # the calibrators' "never stop early": no plan needed
+            return torch.full((view.index.numel(),), view.num_steps, dtype=torch.long, device=view.index.device)
         log_q = planned_log_q(self.policy, view.inputs, view.output, view.t, view.index.numel(), view.num_steps)
         T = log_q.shape[1]
-        if threshold == math.inf:  # the calibrators' "never stop early"
-            return torch.full((log_q.shape[0],), T, dtype=torch.long, device=log_q.device)
         c = torch.arange(1, T + 1, dtype=log_q.dtype, device=log_q.device) / T
         return (log_q[:, view.t - 1:] + threshold * c[view.t - 1:]).argmax(dim=1) + view.t  # threshold = -price
 
