@@ -141,7 +141,9 @@ class StoppingApp:
     def quality_lead(self, cfg: Any, stop: Trace, base: Trace) -> float:
         """How much better the stop model is at full depth than the baseline, in :meth:`risk_losses` units:
         the epsilon of the deployed operating point (at least the baseline's quality). Default: the mean
-        excess loss of the baseline's last step over the stop model's, as ``risk_losses`` measures it."""
+        excess loss of the baseline's last step over the stop model's, as ``risk_losses`` measures it: right
+        when those losses are linear in the metric. A task whose losses are clamped (classify's consistency
+        form counts only drops) overrides it, or the mean would count only the stop model's wins."""
         pair = Trace(metric=torch.stack([base.metric[:, -1], stop.metric[:, -1]], dim=1), costs=stop.costs[-2:],
                      extras=stop.extras)
         return float(self.risk_losses(cfg, pair)[0][:, 0].double().mean())
