@@ -87,6 +87,7 @@ def test_a_checkpoint_for_another_number_of_classes_is_refused(trained, capsys):
     (["--data.kind", "folder", "--data.path", "/nonexistent/folder"], "nonexistent"),
     (["--model.arch", "vgg99"], "model.arch"),
     (["--table_budget", "0"], "table_budget"),
+    (["--sdn_from", "pretrained"], "sdn_from"),
 ])
 def test_bad_configs_name_the_field(args, message, tmp_path, capsys):
     rc = None
@@ -149,3 +150,40 @@ def test_the_deployed_epsilon_is_the_accuracy_lead_not_the_consistency_risk():
     stop = Trace(metric=torch.stack([stop_last, stop_last], 1), costs=costs)
     base = Trace(metric=torch.stack([base_last, base_last], 1), costs=costs)
     assert APP.quality_lead(None, stop, base) == pytest.approx(-0.10)
+
+
+def test_sdn_from_the_network_alone_starts_from_its_weights(tmp_path):
+    from learn2stop.tasks.classify import APP, ClassifyConfig
+    from learn2stop.core.pipeline import load_stage
+    from learn2stop.utils.config import from_dict
+
+    run = tmp_path / "run"
+    zero = ["--sdn.iterations", "0", "--stage1.iterations", "0", "--stage2.iterations", "0"]
+    assert main(["classify", "train", "--run-dir", str(run), *TINY, *zero, "--sdn_from", "baseline"]) == 0
+    cfg = from_dict(ClassifyConfig, {"data": {"kind": "synthetic", "size": 16, "synthetic_per_class": 24,
+                                              "synthetic_classes": 3}, "sdn_from": "baseline",
+                                     "model": {"arch": "vgg6-narrow", "fc_width": 16}})
+    base, sdn = (load_stage(APP, cfg, run, s).model.backbone.state_dict() for s in ("baseline", "sdn"))
+    fresh = APP.build_models(cfg, "cpu")["sdn"].model.backbone.state_dict()
+    assert all(torch.equal(base[k], sdn[k]) for k in base)  # the trained network alone, handed on
+    assert not all(torch.equal(base[k], fresh[k]) for k in base)  # not a fresh draw
+
+
+def test_channels_last_changes_the_layout_not_the_function():
+    from learn2stop.tasks.classify import APP, ClassifyConfig
+    from learn2stop.utils.config import from_dict
+
+    def models(cl):
+        return APP.build_models(from_dict(ClassifyConfig, {
+            "data": {"kind": "synthetic", "size": 16, "synthetic_per_class": 6, "synthetic_classes": 2},
+            "model": {"arch": "vgg6-narrow", "channels_last": cl}}), "cpu")["stop"].model.eval()
+
+    nhwc, nchw = models(True), models(False)
+    nhwc.load_state_dict(nchw.state_dict())
+    conv = nhwc.backbone.features[0][0].weight
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    x = torch.randn(4, 3, 16, 16)
+    s1, s2 = nhwc.initial_state(x), nchw.initial_state(x)
+    for t in range(1, nhwc.num_steps + 1):
+        s1, s2 = nhwc.step(t, s1), nchw.step(t, s2)
+        torch.testing.assert_close(nhwc.readout(t, s1), nchw.readout(t, s2), rtol=1e-4, atol=1e-5)

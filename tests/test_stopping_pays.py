@@ -323,3 +323,19 @@ def test_validation_with_a_price_scores_the_priced_objective(sm):
     c = exit_costs(sm.model)
     assert priced["policy"] == pytest.approx(plain["policy"] + 2.0 * float(c[stops - 1].mean()), rel=1e-5)
     assert priced["last"] == pytest.approx(plain["last"]) and priced["oracle"] > plain["oracle"]
+
+
+def test_measure_speed_warms_up_once_and_only_when_asked():
+    from learn2stop.core.evaluation import measure_speed
+    model, x = Toy(), torch.randn(10, 6)
+    seen = []
+
+    def runner(m, inputs, rule):  # the eager loop, recording each chunk it is given
+        seen.append(inputs.shape[0])
+        return run_with_early_exit(m, inputs, rule)
+
+    v = measure_speed(model, x, lambda: SignalRule(ConfidenceSignal(), 0.9), 4, repeats=2, runner=runner)
+    assert v > 0 and seen == [4] + [4, 4, 2] * 2  # one warm-up chunk, then every chunk per pass
+    seen.clear()
+    measure_speed(model, x, lambda: SignalRule(ConfidenceSignal(), 0.9), 4, repeats=1, runner=runner, warmup=False)
+    assert seen == [4, 4, 2]

@@ -213,11 +213,13 @@ class BackendError(ValueError):
 
 
 def measure_speed(model: Any, inputs: Any, rule_factory: Callable[[], Any], batch_size: int, repeats: int = 3,
-                  max_seconds: float = 2.0, runner: Callable[..., Any] = run_with_early_exit) -> float:
+                  max_seconds: float = 2.0, runner: Callable[..., Any] = run_with_early_exit,
+                  warmup: bool = True) -> float:
     """Samples per second of real early exit with a rule, in batches of ``batch_size`` (wall clock).
 
     Runs over ``inputs`` (batch-first tree) chunk by chunk, after one warm-up chunk (which also compiles
-    or exports, for such a ``runner``), ``repeats`` times, and keeps the fastest pass (the least disturbed
+    or exports, for such a ``runner``; ``warmup=False`` skips it when the caller has already run this
+    model, rule and backend on these inputs), ``repeats`` times, and keeps the fastest pass (the least disturbed
     by other work on the machine). A pass stops early after ``max_seconds``. On CUDA the clock waits for
     the device. Runs under ``torch.inference_mode``.
     """
@@ -227,7 +229,8 @@ def measure_speed(model: Any, inputs: Any, rule_factory: Callable[[], Any], batc
     chunks = [tree_map(lambda x: x[i:i + batch_size], inputs) for i in range(0, n, batch_size)]
     best = 0.0
     with torch.inference_mode():  # as a deployment runs: no autograd bookkeeping, for every rule alike
-        runner(model, chunks[0], rule_factory())  # warm-up
+        if warmup:
+            runner(model, chunks[0], rule_factory())
         for _ in range(repeats):
             if cuda:
                 torch.cuda.synchronize()

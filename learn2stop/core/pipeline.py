@@ -87,6 +87,8 @@ class StoppingApp:
     speed_batch = 1000
     #: samples timed one by one at batch 1.
     speed_samples = 200
+    #: large batches timed per pass (the frontier times every point three times over these).
+    speed_batches = 3
     #: other trainings whose classical rules the frontier also draws: {curve prefix: stage name}.
     frontier_also: dict = {}
 
@@ -466,22 +468,23 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
         n_in = tree_leaves(inputs)[0].shape[0]
         bn = min(app.speed_batch, n_in)
         one = tree_map(lambda x: x[:min(app.speed_samples, n_in)], inputs)
-        big = tree_map(lambda x: x[:bn * max(1, min(n_in // bn, 3))], inputs)
+        big = tree_map(lambda x: x[:bn * max(1, min(n_in // bn, app.speed_batches))], inputs)
         jobs = [(full, lambda: FixedDepth(), sm.model)]
         asked: dict = {}
         if sm.policy is not None:  # the policy's own cost: asked at every step, never stopping
             jobs.append((asked, lambda: SignalRule(make_signal("quantile", sm.policy), math.inf), sm.model))
         jobs += [(p, how[name][0](p), how[name][1]) for name, pts in curves.items() if name in how for p in pts]
         # Round-robin passes, best of three per point: a drift in the machine's load hits every point alike.
+        # Only the first pass warms up (and compiles or exports, for such a backend): later ones are warm.
         for bname, runner in runners.items():
             unsupported: set[int] = set()
             for key, data, size in (("samples_per_s_batch1", one, 1), ("samples_per_s_batchN", big, bn)):
-                for _ in range(3):
+                for round_ in range(3):
                     for i, (point, factory, model) in enumerate(jobs):
                         if i in unsupported:
                             continue
                         try:
-                            v = measure_speed(model, data, factory, size, repeats=1, runner=runner)
+                            v = measure_speed(model, data, factory, size, repeats=1, runner=runner, warmup=round_ == 0)
                         except BackendError as e:
                             unsupported.add(i)
                             run.log(f"frontier: {e}; that point has no {bname} speed")

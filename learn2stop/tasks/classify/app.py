@@ -42,7 +42,8 @@ class ClassifyApp(StoppingApp):
     budget_by = "cost"  # budgets and the frontier's x-axis in FLOPs
     frontier_also = {"sdn": "sdn"}  # the confidence, entropy and patience rules on the SDN-trained network too
     speed_batch = 256
-    speed_samples = 200
+    speed_samples = 100  # about 100 points are timed, each three times at two batch sizes
+    speed_batches = 1
 
     def images(self, cfg: ClassifyConfig) -> Images:
         return self.cached(f"images {(cfg.data, cfg.seed)!r}", lambda: Images(cfg))
@@ -67,7 +68,9 @@ class ClassifyApp(StoppingApp):
             initialise(net)  # fresh weights drawn under this seed, whenever the template was built
         n = nets["stop"]
         policy = ExitPolicy(n.num_classes, n.num_steps, hidden=cfg.model.policy_hidden)
-        return {k: StoppingModel(v, policy if k == "stop" else None).to(device) for k, v in nets.items()}
+        fmt = torch.channels_last if cfg.model.channels_last else torch.contiguous_format
+        return {k: StoppingModel(v.to(memory_format=fmt), policy if k == "stop" else None).to(device)
+                for k, v in nets.items()}
 
     def training_task(self, cfg, key, sm):
         return ClassifyTask(self.images(cfg), cfg.data.augment, cfg.eval_batch)
@@ -77,7 +80,9 @@ class ClassifyApp(StoppingApp):
         tau = np.interp(np.linspace(0, 1, T - 1), np.linspace(0, 1, len(cfg.sdn_tau)), cfg.sdn_tau).tolist()
         sdn = StageConfig(**{**cfg.sdn.__dict__, "step_weights": tuple(tau) + (1.0,)})
         out = [Stage("baseline", "baseline", cfg.baseline, describe="the network alone (last classifier)"),
-               Stage("sdn", "sdn", sdn, describe=f"SDN: IC losses weighted {[round(t, 2) for t in tau]} + final"),
+               Stage("sdn", "sdn", sdn, init_from="baseline" if cfg.sdn_from == "baseline" else None,
+                     describe=f"SDN: IC losses weighted {[round(t, 2) for t in tau]} + final"
+                              + (", from the network alone" if cfg.sdn_from == "baseline" else "")),
                # Stage I fine-tunes the SDN network: trained from scratch on the oracle alone, each image's
                # loss concentrates on whichever exit already fits it, and the other exits decay (measured:
                # final classifier 9 %, oracle exit 98 % on VGG16 / CIFAR subset), which no label-free rule can use.
