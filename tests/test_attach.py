@@ -193,3 +193,26 @@ def test_exit_head_reads_features_of_two_dims():
     torch.testing.assert_close(head(x), head.linear(x))
     with pytest.raises(ValueError, match="exit head reads"):
         ExitHead((2, 3), num_classes=3)
+
+
+def test_grad_steps_skip_the_exits_backward_and_keep_the_networks_gradient():
+    """The network alone trained with its exits attached: the last step's loss gives the backbone the same
+    gradient with or without the exits' backward, every step's loss is still recorded, and the heads get none."""
+    torch.manual_seed(0)
+    exits = attach_exits(SmallNet(), ["stem", "block1"], example_input=torch.zeros(1, 3, 9, 9))
+    x, y = torch.randn(6, 3, 9, 9), torch.randint(0, 7, (6,))
+    ce = lambda logits, target: F.cross_entropy(logits, target, reduction="none")  # noqa: E731
+    grads, losses = [], []
+    for steps in (None, {exits.num_steps}):
+        exits.zero_grad(set_to_none=True)
+        r = unroll(exits, x, target=y, loss_fn=ce, grad_steps=steps)
+        r.losses[:, -1].mean().backward()
+        grads.append({n: p.grad for n, p in exits.named_parameters()})
+        losses.append(r.losses.detach())
+    torch.testing.assert_close(losses[0], losses[1])
+    assert losses[1].shape == (6, exits.num_steps)
+    for n, g in grads[0].items():
+        if n.startswith("heads."):
+            assert grads[1][n] is None and (g is None or not g.any())
+        else:
+            torch.testing.assert_close(grads[1][n], g)

@@ -88,6 +88,7 @@ def test_a_checkpoint_for_another_number_of_classes_is_refused(trained, capsys):
     (["--model.arch", "vgg99"], "model.arch"),
     (["--table_budget", "0"], "table_budget"),
     (["--sdn_from", "pretrained"], "sdn_from"),
+    (["--model.arch", "resnet20", "--model.width", "4", "--model.channels_last", "true"], "model.channels_last"),
 ])
 def test_bad_configs_name_the_field(args, message, tmp_path, capsys):
     rc = None
@@ -118,7 +119,7 @@ def test_every_architecture_trains_evaluates_and_predicts_a_tiny_config(arch, tm
     run = tmp_path / "run"
     args = ["--run-dir", str(run), "--data.kind", "synthetic", "--data.size", size, "--data.synthetic_per_class", "9",
             "--data.synthetic_classes", "2", "--model.arch", arch, "--eval_batch", "32", "--no-progress",
-            "--threads", "1", "--model.width", "4",
+            "--threads", "1", "--model.width", "4", "--model.channels_last", "false",  # width 4: see ModelConfig
             *[a for s in ("baseline", "sdn", "stage1", "stage2")
               for a in (f"--{s}.iterations", "2", f"--{s}.batch_size", "8", f"--{s}.eval_every", "2",
                         f"--{s}.checkpoint_every", "2", f"--{s}.warmup", "0")]]

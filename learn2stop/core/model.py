@@ -33,14 +33,15 @@ class StoppingModel(nn.Module):
         return self.model.num_steps
 
     def unroll(self, inputs: Any, target: Any = None, loss_fn=None, *, use_policy: bool = True,
-               model_grad: bool = True, keep_outputs: bool = False) -> Rollout:
+               model_grad: bool = True, keep_outputs: bool = False, grad_steps=None) -> Rollout:
         """Full-depth rollout recording per-step losses and stop logits (see :func:`unroll`)."""
         check_inputs(inputs)
         check_batch_first(inputs)
         if target is not None and batch_size(target) != batch_size(inputs):
             raise ValueError(f"target has batch size {batch_size(target)} but the inputs have {batch_size(inputs)}")
         return unroll(self.model, inputs, target=target, loss_fn=loss_fn,
-                      policy=self.policy if use_policy else None, model_grad=model_grad, keep_outputs=keep_outputs)
+                      policy=self.policy if use_policy else None, model_grad=model_grad, keep_outputs=keep_outputs,
+                      grad_steps=grad_steps)
 
     def forward(self, inputs: Any, rule: StopRule | None = None, *, inference: Any = None,
                 mode: str | None = None, threshold: float | None = None, generator: torch.Generator | None = None,

@@ -227,8 +227,6 @@ def _summary(losses: Tensor, stop_logits: Tensor | None, beta: float) -> dict[st
 def deep_supervision(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfig, generator) -> tuple[Tensor, dict]:
     """Baseline: sum_t w_t l_t with w_t = gamma^(T-t) normalised (LISTA, Sec. 5.1), the last step only
     (a plain network), or given weights (SDN's internal-classifier weights)."""
-    r = sm.unroll(inputs, target, loss_fn, use_policy=False)
-    check_finite_steps("per-step losses", r.losses)
     T = sm.num_steps
     if cfg.variant == "last":
         w = torch.zeros(T).index_fill_(0, torch.tensor([T - 1]), 1.0)
@@ -239,6 +237,9 @@ def deep_supervision(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfi
         w = torch.tensor(cfg.step_weights, dtype=torch.float32)
     else:
         w = L.discounted_weights(T, cfg.gamma)
+    # the steps of weight 0 are recorded (validation, logs) but not differentiated
+    r = sm.unroll(inputs, target, loss_fn, use_policy=False, grad_steps=set((w.nonzero().flatten() + 1).tolist()))
+    check_finite_steps("per-step losses", r.losses)
     return L.weighted_step_loss(r.losses, w.to(r.losses)), _summary(r.losses.detach(), None, cfg.beta)
 
 

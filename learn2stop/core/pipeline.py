@@ -87,8 +87,10 @@ class StoppingApp:
     speed_batch = 1000
     #: samples timed one by one at batch 1.
     speed_samples = 200
-    #: large batches timed per pass (the frontier times every point three times over these).
+    #: large batches timed per pass.
     speed_batches = 3
+    #: round-robin passes over every point; each point keeps its best.
+    speed_passes = 3
     #: other trainings whose classical rules the frontier also draws: {curve prefix: stage name}.
     frontier_also: dict = {}
 
@@ -474,12 +476,12 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
         if sm.policy is not None:  # the policy's own cost: asked at every step, never stopping
             jobs.append((asked, lambda: SignalRule(make_signal("quantile", sm.policy), math.inf), sm.model))
         jobs += [(p, how[name][0](p), how[name][1]) for name, pts in curves.items() if name in how for p in pts]
-        # Round-robin passes, best of three per point: a drift in the machine's load hits every point alike.
+        # Round-robin passes, the best per point: a drift in the machine's load hits every point alike.
         # Only the first pass warms up (and compiles or exports, for such a backend): later ones are warm.
         for bname, runner in runners.items():
             unsupported: set[int] = set()
             for key, data, size in (("samples_per_s_batch1", one, 1), ("samples_per_s_batchN", big, bn)):
-                for round_ in range(3):
+                for round_ in range(app.speed_passes):
                     for i, (point, factory, model) in enumerate(jobs):
                         if i in unsupported:
                             continue
@@ -503,7 +505,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
             p[f"mean_{unit[0]}"] = p["mean_cost"] * unit[1]
     result = {"metric": metric.name, "lower_is_better": metric.lower_is_better, "num_steps": T,
               "full_depth": full, "batch_n": bn, "device": str(dev or "cpu"), "backend": next(iter(runners)),
-              "test_samples": N, "budget_by": app.budget_by, "curves": curves,
+              "test_samples": N, "budget_by": app.budget_by, "curves": curves, "speed_passes": app.speed_passes,
               "policy_overhead": overhead}
     if speed:  # the number a user cares about: how much faster at the quality they have today
         ref_pts = curves.get("baseline_fixed_depth")

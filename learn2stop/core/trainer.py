@@ -237,8 +237,10 @@ class StagedTrainer:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             dev_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-            # Only the recomputed sampled Stage I can leave deep steps unused in a pass.
-            unused = cfg.variant == "sampled" and cfg.recompute
+            # The recomputed sampled Stage I can leave deep steps unused in a pass; deep supervision leaves the
+            # readouts of its zero-weight steps (a network alone's exit heads) without gradients.
+            unused = (cfg.variant == "sampled" and cfg.recompute) or (cfg.objective == "deep_supervision" and (
+                cfg.variant == "last" or (cfg.variant == "weighted" and 0 in cfg.step_weights)))
             step_fn = DDP(objective, device_ids=dev_ids, find_unused_parameters=unused)
         local_batch = -(-cfg.batch_size // self.ctx.world_size)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from ...core import Metric, StageConfig, StoppingModel, derive_seed
 from ...core.evaluation import collect_trace, evaluate_rule
@@ -42,8 +43,11 @@ class ClassifyApp(StoppingApp):
     budget_by = "cost"  # budgets and the frontier's x-axis in FLOPs
     frontier_also = {"sdn": "sdn"}  # the confidence, entropy and patience rules on the SDN-trained network too
     speed_batch = 256
-    speed_samples = 100  # about 100 points are timed, each three times at two batch sizes
+    # about 100 points are timed at two batch sizes: 64 images one by one and 256 at once, best of two passes
+    # (the quick preset's frontier: about a minute on 2 cores)
+    speed_samples = 64
     speed_batches = 1
+    speed_passes = 2
 
     def images(self, cfg: ClassifyConfig) -> Images:
         return self.cached(f"images {(cfg.data, cfg.seed)!r}", lambda: Images(cfg))
@@ -68,7 +72,14 @@ class ClassifyApp(StoppingApp):
             initialise(net)  # fresh weights drawn under this seed, whenever the template was built
         n = nets["stop"]
         policy = ExitPolicy(n.num_classes, n.num_steps, hidden=cfg.model.policy_hidden)
-        fmt = torch.channels_last if cfg.model.channels_last else torch.contiguous_format
+        fmt = torch.contiguous_format
+        if cfg.model.channels_last:
+            fmt = torch.channels_last
+            for name, mod in nets["stop"].named_modules():
+                if isinstance(mod, nn.Conv2d) and mod.kernel_size == (1, 1) and max(mod.stride) > 1 and mod.in_channels < 8:
+                    raise ConfigError(f"model.channels_last: {name} is a strided 1x1 convolution of {mod.in_channels} "
+                                      f"input channels, whose NHWC backward corrupts memory in this PyTorch on CPU; "
+                                      f"set --model.channels_last false or a wider network")
         return {k: StoppingModel(v.to(memory_format=fmt), policy if k == "stop" else None).to(device)
                 for k, v in nets.items()}
 
