@@ -83,6 +83,44 @@ def test_short_training_run_improves(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") >= 5
 
 
+def test_stage2_fits_the_tasks_stop_loss_and_only_stage2_does(tmp_path):
+    from learn2stop.core import InferenceConfig, validation_scores
+    from learn2stop.core.distributions import log_stop_time_distribution
+    from learn2stop.core.loop import unroll
+    from learn2stop.core.trainer import stage_loss_fn
+
+    sm = make_sm()
+
+    class Task(ToyTask):
+        def stop_loss_fn(self, output, target):  # 0 for step 2's output (recomputed: theta is frozen), else 1
+            r = unroll(sm.model, self._y, keep_outputs=True, model_grad=False)
+            good = torch.stack(r.step_outputs, 1)[:, 1]  # step 2's output
+            return 1.0 - (output - good).abs().amax(1).lt(1e-6).float()
+
+        def sample_batch(self, batch_size, generator, device):
+            self._y, x = super().sample_batch(batch_size, generator, device)
+            return self._y, x
+
+        def validation_batches(self, device):
+            (y, x), = super().validation_batches(device)
+            self._y = y
+            return [(y, x)]
+
+    task = Task()
+    assert stage_loss_fn(task, StageConfig(objective="stage2")) == task.stop_loss_fn
+    assert stage_loss_fn(task, StageConfig(objective="stage1")) == task.loss_fn
+    StagedTrainer(sm, task, tmp_path, progress=False).fit(
+        "stage2", StageConfig(objective="stage2", iterations=150, batch_size=32, lr=3e-2, beta=0.1, eval_every=50))
+    (y, _), = task.validation_batches("cpu")
+    with torch.no_grad():
+        logits = sm.unroll(y).stop_logits
+    mode = log_stop_time_distribution(logits).argmax(1) + 1
+    assert (mode == 2).float().mean() > 0.95  # the stop loss's best step, not the MSE's (which falls with depth)
+    scores = validation_scores(sm, task.validation_batches("cpu"), task.stop_loss_fn,
+                               InferenceConfig(rule="threshold", param=0.5))
+    assert scores["policy"] < 0.05 < scores["last"] == 1.0
+
+
 class Crash(RuntimeError):
     pass
 

@@ -6,7 +6,10 @@ A *training task* gives the trainer what it cannot know:
 - ``sample_batch(batch_size, generator, device) -> (inputs, target)`` a random training batch drawn
   with the given CPU generator (the trainer seeds it from (seed, stage, iteration, rank), so a
   resumed run sees exactly the batches it would have seen);
-- ``validation_batches(device) -> iterable of (inputs, target)``, fixed, for model selection.
+- ``validation_batches(device) -> iterable of (inputs, target)``, fixed, for model selection;
+- optionally ``stop_loss_fn(output, target) -> (B,)``: the loss whose oracle Stage II's policy fits and
+  is selected on (default ``loss_fn``). Theta is frozen there, so it needs no gradient: a classifier's
+  0/1 error, the metric a user deploys on, instead of the cross-entropy that trains the network.
 
 Each stage keeps ``<run_dir>/checkpoints/<stage>.pt`` (resumable: weights, optimiser, iteration,
 best score) and ``<stage>_best.pt`` (the weights with the best validation score); both are
@@ -46,6 +49,13 @@ class TrainingTask(Protocol):
     def sample_batch(self, batch_size: int, generator: torch.Generator, device: torch.device) -> tuple[Any, Any]: ...
 
     def validation_batches(self, device: torch.device) -> Iterable[tuple[Any, Any]]: ...
+
+
+def stage_loss_fn(task: Any, cfg: StageConfig):
+    """The per-sample loss a stage's objective weighs: the task's ``stop_loss_fn`` for Stage II (when it has
+    one), else its ``loss_fn``."""
+    stop = getattr(task, "stop_loss_fn", None)
+    return stop if (stop is not None and cfg.objective == "stage2") else task.loss_fn
 
 
 def check_stage_name(name: Any) -> None:
@@ -189,7 +199,7 @@ class StagedTrainer:
             self.sm.policy.train(cfg.trains in ("policy", "both"))
 
     def _validate(self, cfg: StageConfig) -> dict[str, float]:
-        return validation_scores(self.sm, self.task.validation_batches(self.ctx.device), self.task.loss_fn,
+        return validation_scores(self.sm, self.task.validation_batches(self.ctx.device), stage_loss_fn(self.task, cfg),
                                  self.inference, seed=derive_seed(self.seed, "validation"), price=cfg.price or 0.0)
 
     def _state(self) -> dict:
@@ -231,7 +241,7 @@ class StagedTrainer:
             check_writable(self.ckpt_dir)  # a resume that cannot save its next checkpoint changes nothing
             # records logged after the checkpoint we resume from would otherwise appear twice
             truncate_metrics(self.run_dir / "metrics.jsonl", name, start)
-        objective = StageObjective(self.sm, self.task.loss_fn, cfg)
+        objective = StageObjective(self.sm, stage_loss_fn(self.task, cfg), cfg)
         step_fn: nn.Module = objective
         if self.ctx.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP

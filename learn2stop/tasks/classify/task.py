@@ -52,12 +52,21 @@ class Images:
         return [(self.prepare(x[i:i + batch]).to(device), y[i:i + batch].to(device)) for i in range(0, len(s), batch)]
 
 
-class ClassifyTask:
-    """Augmented training batches and the fixed validation set, for the trainer."""
+def error_loss(logits: Tensor, target: Tensor) -> Tensor:
+    """The 0/1 error per image, (B,): the loss of Stage II's oracle when ``stop_loss = "error"``."""
+    return (logits.argmax(1) != target).to(logits.dtype)
 
-    def __init__(self, images: Images, augment: bool, batch: int):
+
+class ClassifyTask:
+    """Augmented training batches and the fixed validation set, for the trainer.
+
+    ``stop_loss``: the loss of Stage II's oracle, ``"error"`` (0/1) or ``"cross_entropy"`` (the training loss).
+    """
+
+    def __init__(self, images: Images, augment: bool, batch: int, stop_loss: str = "cross_entropy"):
         self.images, self.augment, self.batch = images, Augment() if augment else None, batch
         self.x, self.y = images.train.tensors()
+        self.stop_loss_fn = error_loss if stop_loss == "error" else self.loss_fn
 
     @staticmethod
     def loss_fn(logits: Tensor, target: Tensor) -> Tensor:
