@@ -187,9 +187,12 @@ PRESETS: dict[str, dict] = {
 # - ``lista_equal``: LISTA trained on for Stage I's iterations, the baseline at LISTA-stop's theta budget.
 # - AEVB from LISTA's weights, so it is compared with Stage I+II from the same start.
 # Measured (README): LISTA-stop -23.49 dB mixed (paper -22.41); SNR 20 -19.48 misses the paper's -20.29.
+# - The planner as in ``quick``: one call per sample, at the first step with 2 % of the oracle's mass, and the
+#   price rule re-pricing that plan for any budget.
 PRESETS["paper-cpu"] = {
     "stage1_init": "baseline", "aevb_init": "baseline", "equal_budget": True,
     "method": {"beta": 0.05},
+    "policy": {"min_mass": 0.02}, "inference": {"rule": "price", "param": 0.0},
     "baseline": {"iterations": 12_000, "batch_size": 512, "lr": 1e-3, "weight_decay": 0.0, "lr_schedule": "cosine",
                  "lr_min_factor": 0.01, "eval_every": 500, "checkpoint_every": 500},
     "stage1": {"variant": "marginal", "iterations": 3000, "batch_size": 512, "lr": 5e-4, "weight_decay": 0.0,
