@@ -45,3 +45,11 @@ def test_maml_omniglot_tiny_memory(tmp_path, capsys):
     assert _load("maml_omniglot").main(["--budget", "tiny", "--data", str(data), "--run-dir", str(tmp_path / "run"),
                                         "--memory-only", "--no-progress"]) == 0
     assert "ratio stop / MAML" in capsys.readouterr().out
+
+
+def test_exit_costs_tiny(capsys):
+    shares = _load("exit_costs").main(["--tiny", "--batches", "1,4", "--repeats", "1", "--threads", "1"])
+    assert set(shares) == {"FLOPs", "time @1", "ms @1", "time @4", "ms @4"}
+    for key in ("FLOPs", "time @1", "time @4"):
+        assert shares[key][-1] == pytest.approx(1.0) and shares[key] == sorted(shares[key])
+    assert "| exit | FLOPs |" in capsys.readouterr().out
