@@ -254,7 +254,7 @@ def measure_exit_costs(model: Any, inputs: Any, repeats: int = 5) -> list[float]
     Each step's time is the fastest of ``repeats`` full rollouts (after one warm-up rollout), under
     ``torch.inference_mode``; on CUDA the clock waits for the device. A price on time instead of FLOPs:
     the result can be a model's ``exit_costs``. Measured on the 2-core CPU with the quick ResNet-20 at
-    batch 256, the cumulative time of its exits ran 4-17 points of the whole above their FLOPs share (its
+    batch 256, the cumulative time of its exits ran 4-18 points of the whole above their FLOPs share (its
     early 32x32 blocks do fewer FLOPs per second than the late 8x8 ones), so FLOPs undercount what an early
     exit costs there (``benchmarks/exit_costs.py`` prints both).
     """
