@@ -90,7 +90,7 @@ class ClassifyConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     method: MethodConfig = field(default_factory=lambda: MethodConfig(beta=1.0))
     # the policy's own pi_t thresholded (measured on both quick networks: above the quantile of q_phi at every
-    # FLOPs budget from 30 to 70 %, by up to 7 points)
+    # FLOPs budget from 30 to 70 %, by up to 8 points)
     inference: InferenceConfig = field(default_factory=lambda: InferenceConfig(rule="threshold"))
     baseline: StageConfig = _stage(objective="deep_supervision", variant="last", select="last")
     sdn: StageConfig = _stage(objective="deep_supervision", variant="weighted", select="oracle")
