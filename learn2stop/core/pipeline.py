@@ -173,6 +173,12 @@ class StoppingApp:
     def inference(self, cfg: Any) -> InferenceConfig:
         return getattr(cfg, "inference", None) or InferenceConfig()
 
+    def policy_rule(self, cfg: Any) -> str:
+        """The policy rule that is deployed, calibrated and drawn as "policy": the configured one, or quantile
+        when the configured rule is a classical one."""
+        rule = self.inference(cfg).rule
+        return rule if rule in POLICY_RULES else "quantile"
+
     def seed(self, cfg: Any) -> int:
         return int(getattr(cfg, "seed", 0))
 
@@ -380,7 +386,7 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
     sm = load_stage(app, cfg, run.run_dir, app.stop_stage, run.device)
     if sm.policy is None:
         return None
-    rule = app.inference(cfg).rule if app.inference(cfg).rule in POLICY_RULES else "quantile"
+    rule = app.policy_rule(cfg)
     val = stop_model_trace(app, cfg, sm, "val", run.device, with_classical=False)
     base = load_stage(app, cfg, run.run_dir, app.baseline_stage, run.device)
     base_val = collect_trace(base.model, app.eval_batches(cfg, "val", run.device), app.metric(cfg), run.device,
@@ -456,7 +462,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
                                             signals=app.classical_signals(cfg), extras=app.trace_extras(cfg)), other.model)
     if sm.policy is not None:
         check_policy_rule(app.inference(cfg).rule, sm, "inference.rule")
-        main = app.inference(cfg).rule if app.inference(cfg).rule in POLICY_RULES else "quantile"
+        main = app.policy_rule(cfg)
         for rule in (main, *(r for r in policy_rules(sm.policy) if r != main)):
             name = "policy" if rule == main else f"policy_{rule}"
             curves[name] = budget_curve(test, metric, val, rule, make_signal(rule, sm.policy), budgets, app.budget_by)

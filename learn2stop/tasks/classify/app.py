@@ -24,7 +24,7 @@ from ...core import Metric, StageConfig, StoppingModel, derive_seed
 from ...core.evaluation import collect_trace, evaluate_rule
 from ...core.pipeline import Stage, StoppingApp, check_config, deployed_rule, load_stage, stop_model_trace
 from ...core.rules import SIGNALS, ConfidenceSignal, EntropySignal, PatienceSignal, first_crossing
-from ...core.calibration import POLICY_RULES, calibrate_budget
+from ...core.calibration import calibrate_budget
 from ...utils.config import ConfigError
 from ...utils.report import markdown_table, write_json
 from ...utils.images import list_image_files
@@ -164,7 +164,7 @@ def evaluate(cfg: ClassifyConfig, run) -> dict:
     val = stop_model_trace(APP, cfg, sm, "val", dev)
     flops = torch.tensor(sm.model.exit_costs, dtype=torch.float64)
     rule_rows = []
-    policy_rule = APP.inference(cfg).rule if APP.inference(cfg).rule in POLICY_RULES else "quantile"
+    policy_rule = APP.policy_rule(cfg)
     for name, network in (("policy", "stage2"), ("confidence", "stage2"), ("confidence", "sdn"), ("entropy", "stage2"),
                           ("patience", "stage2")):
         trace = traces[network][0]
