@@ -2,6 +2,7 @@
 
     python benchmarks/exit_costs.py --arch resnet20 --threads 2                 # the quick preset's network
     python benchmarks/exit_costs.py --run-dir /tmp/runs/cq-r20 --threads 2      # a trained run's stop model
+    python benchmarks/exit_costs.py --run-dir /tmp/runs/cq-r20 --device cuda    # the same on a GPU
     python benchmarks/exit_costs.py --tiny                                      # a smoke run (the tests use it)
 
 Prints, for every exit t, the cumulative share of the network's FLOPs (the model's ``exit_costs``, what
@@ -35,20 +36,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--tiny", action="store_true", help="generated images and a tiny VGG")
+    ap.add_argument("--device", default="cpu", help="where to time it: cpu or cuda")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     overrides = {"data": {"path": args.data_path}} if args.data_path else {}
     if args.run_dir:
         cfg = resolve(ClassifyConfig, {}, str(Path(args.run_dir) / "config.yaml"), overrides)
-        model = load_stage(APP, cfg, args.run_dir, APP.stop_stage, "cpu").model
+        model = load_stage(APP, cfg, args.run_dir, APP.stop_stage, args.device).model
     else:
         preset = merge(PRESETS["quick"], TINY) if args.tiny else PRESETS["quick"]
         if args.arch:
             overrides = merge(overrides, {"model": {"arch": args.arch}})
         cfg = resolve(ClassifyConfig, preset, None, overrides)
-        model = APP.build_models(cfg, "cpu")["stop"].model.eval()  # random weights: the time is the same
-    images = APP.speed_inputs(cfg, "cpu")
+        model = APP.build_models(cfg, args.device)["stop"].model.eval()  # random weights: the time is the same
+    images = APP.speed_inputs(cfg, args.device)
     flops = torch.tensor(model.exit_costs, dtype=torch.float64)
     shares = {"FLOPs": (flops / flops[-1]).tolist()}
     for b in (int(v) for v in args.batches.split(",")):
@@ -56,8 +58,8 @@ def main(argv=None) -> dict:
         shares[f"time @{b}"] = [s / secs[-1] for s in secs]
         shares[f"ms @{b}"] = [1e3 * s for s in secs]
     cols = list(shares)
-    print(f"cumulative cost of exiting at each exit ({cfg.model.arch}, {images.shape[-1]}x{images.shape[-1]}, "
-          f"{torch.get_num_threads()} threads)\n")
+    where = torch.cuda.get_device_name() if images.is_cuda else f"{torch.get_num_threads()} CPU threads"
+    print(f"cumulative cost of exiting at each exit ({cfg.model.arch}, {images.shape[-1]}x{images.shape[-1]}, {where})\n")
     print("| exit | " + " | ".join(cols) + " |\n|---" * 1 + "|---" * len(cols) + "|")
     for t in range(len(flops)):
         print(f"| {t + 1} | " + " | ".join(f"{shares[c][t]:.3f}" if not c.startswith("ms") else f"{shares[c][t]:.2f}"
