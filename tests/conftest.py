@@ -75,7 +75,7 @@ class ToyPolicy(nn.Module):
         self.num_steps = num_steps
 
     def forward(self, inputs, output, t):
-        tt = torch.full((inputs.shape[0], 1), t / self.num_steps)
+        tt = torch.full((inputs.shape[0], 1), t / self.num_steps, device=inputs.device)
         return self.net(torch.cat([inputs, output, tt], dim=1)).squeeze(1)
 
 
