@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end on tiny configs (their smoke modes): a broken script fails here,
 not in front of a user. runtime_speed and streaming have their own tests; sparse_schedule_sweep is a GPU
-sweep whose smallest run takes minutes on this CPU, so it is only imported (test_benchmarks.py)."""
+sweep whose smallest run takes minutes on this CPU, so it is only imported (test_benchmarks.py); device_check, the
+GPU script, is run with no time left (every step skipped, the archive still written)."""
 import importlib.util
 import json
 from pathlib import Path
@@ -53,3 +54,21 @@ def test_exit_costs_tiny(capsys):
     for key in ("FLOPs", "time @1", "time @4"):
         assert shares[key][-1] == pytest.approx(1.0) and shares[key] == sorted(shares[key])
     assert "| exit | FLOPs |" in capsys.readouterr().out
+
+
+def test_loop_modes_tiny(capsys):
+    """Every loop mode stops where the synchronising loop does (the script checks it) and prints each ratio."""
+    table = _load("loop_modes").main(["--tiny", "--batches", "1,4", "--modes", "sync,1,2", "--repeats", "1"])
+    assert set(table) == {"full depth", "policy 0.5", "confidence 0.5"}
+    assert set(table["policy 0.5"]) == {f"{m} @{b}" for b in (1, 4) for m in ("sync", "compact_every=1", "compact_every=2")}
+    assert all(v > 0 for row in table.values() for v in row.values())
+    assert "(1.00x)" in capsys.readouterr().out
+
+
+def test_device_check_out_of_time(tmp_path):
+    """With no time left every step is skipped, said in the log, and the results archive is still written."""
+    assert _load("device_check").main(["--out", str(tmp_path / "out"), "--data", str(tmp_path), "--seconds", "0",
+                                       "--device", "cpu", "--work", str(tmp_path / "work")]) == 0
+    log = (tmp_path / "out" / "log.txt").read_text()
+    assert "== env: skipped" in log and "== reproduce-cifar: skipped" in log
+    assert (tmp_path / "out" / "results.tar.gz").is_file()
