@@ -14,17 +14,15 @@ instead (any increasing sequence may be ``exit_costs``).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 
-from learn2stop.core.evaluation import measure_exit_costs
-from learn2stop.core.pipeline import load_stage
-from learn2stop.tasks.classify.app import APP, PRESETS, ClassifyConfig
-from learn2stop.utils.config import merge, resolve
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _classify_run import stop_model  # noqa: E402
 
-TINY = {"data": {"kind": "synthetic", "size": 16, "synthetic_per_class": 8, "synthetic_classes": 3},
-        "model": {"arch": "vgg6-narrow", "fc_width": 16}}
+from learn2stop.core.evaluation import measure_exit_costs  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -40,17 +38,8 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    overrides = {"data": {"path": args.data_path}} if args.data_path else {}
-    if args.run_dir:
-        cfg = resolve(ClassifyConfig, {}, str(Path(args.run_dir) / "config.yaml"), overrides)
-        model = load_stage(APP, cfg, args.run_dir, APP.stop_stage, args.device).model
-    else:
-        preset = merge(PRESETS["quick"], TINY) if args.tiny else PRESETS["quick"]
-        if args.arch:
-            overrides = merge(overrides, {"model": {"arch": args.arch}})
-        cfg = resolve(ClassifyConfig, preset, None, overrides)
-        model = APP.build_models(cfg, args.device)["stop"].model.eval()  # random weights: the time is the same
-    images = APP.speed_inputs(cfg, args.device)
+    cfg, sm, images = stop_model(args.run_dir, args.arch, args.data_path, args.device, args.tiny)
+    model = sm.model
     flops = torch.tensor(model.exit_costs, dtype=torch.float64)
     shares = {"FLOPs": (flops / flops[-1]).tolist()}
     for b in (int(v) for v in args.batches.split(",")):

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 from pathlib import Path
 
 import torch
 
-from learn2stop.core.evaluation import measure_speed
-from learn2stop.core.loop import run_with_early_exit
-from learn2stop.core.pipeline import load_stage
-from learn2stop.core.rules import FixedDepth, SignalRule, make_signal
-from learn2stop.tasks.classify.app import APP, PRESETS, ClassifyConfig
-from learn2stop.utils.config import merge, resolve
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _classify_run import stop_model  # noqa: E402
 
-TINY = {"data": {"kind": "synthetic", "size": 16, "synthetic_per_class": 8, "synthetic_classes": 3},
-        "model": {"arch": "vgg6-narrow", "fc_width": 16}}
+from learn2stop.core.evaluation import measure_speed  # noqa: E402
+from learn2stop.core.loop import run_with_early_exit  # noqa: E402
+from learn2stop.core.rules import FixedDepth, SignalRule, make_signal  # noqa: E402
+from learn2stop.tasks.classify.app import APP  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -39,14 +38,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="generated images and an untrained tiny VGG")
     args = ap.parse_args(argv)
-    overrides = {"data": {"path": args.data_path}} if args.data_path else {}
-    if args.tiny:
-        cfg = resolve(ClassifyConfig, merge(PRESETS["quick"], TINY), None, overrides)
-        sm = APP.build_models(cfg, args.device)["stop"].eval()
-    else:
-        cfg = resolve(ClassifyConfig, {}, str(Path(args.run_dir) / "config.yaml"), overrides)
-        sm = load_stage(APP, cfg, args.run_dir, APP.stop_stage, args.device)
-    images = APP.speed_inputs(cfg, args.device)
+    cfg, sm, images = stop_model(args.run_dir, "", args.data_path, args.device, args.tiny)
     rules = {"full depth": lambda: FixedDepth(),
              f"policy {args.policy:g}": lambda: SignalRule(make_signal("threshold", sm.policy), args.policy),
              f"confidence {args.confidence:g}": lambda: SignalRule(APP.classical_signals(cfg)["confidence"](),
