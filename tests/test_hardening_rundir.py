@@ -315,3 +315,37 @@ def test_read_jsonl_skips_a_torn_last_line_and_names_a_bad_middle_line(tmp_path)
         f.write('\n{"stage": "stage1"}\n')
     with pytest.raises(ValueError, match="line 3 is not JSON"):
         read_jsonl(path)
+
+
+def test_a_reading_command_finds_moved_data_a_training_command_does_not(tmp_path, capsys):
+    """location_fields (where the data lies) may differ for a reading command on a trained run, said in the log;
+    a training command, and any other field, are still refused."""
+    from dataclasses import dataclass, field
+
+    from learn2stop.tasks.base import RunContext
+
+    @dataclass
+    class Data:
+        path: str = "/old/place"
+        size: int = 32
+
+    @dataclass
+    class Cfg:
+        location_fields = ("data.path",)  # a class attribute, not a field (no annotation)
+        data: Data = field(default_factory=Data)
+
+    run = RunContext(run_dir=tmp_path / "run", progress=False)
+    run.prepare(Cfg(), "train")
+    (tmp_path / "run" / "checkpoints").mkdir()
+    torch.save({}, tmp_path / "run" / "checkpoints" / "stage1.pt")
+    run.close()
+    moved = Cfg(data=Data(path="/new/place"))
+    reader = RunContext(run_dir=tmp_path / "run", progress=False)
+    reader.prepare(moved, "evaluate")
+    reader.close()
+    assert "data.path: reading '/new/place' (the run was trained on '/old/place')" in capsys.readouterr().out
+    for cfg, command in ((moved, "train"), (Cfg(data=Data(size=64)), "evaluate")):
+        refused = RunContext(run_dir=tmp_path / "run", progress=False)
+        with pytest.raises(RunDirError, match="was trained with data"):
+            refused.prepare(cfg, command)
+        refused.close()  # as the command line does after a refusal

@@ -112,13 +112,14 @@ class RunContext:
         In order, so that a refused command changes nothing: the folder must be usable (a training
         command creates it; any other command needs it to exist); an exclusive lock is taken (a second
         writer is refused, naming the holder); leftover temporary files of a killed run are removed;
-        the config's fingerprint must match the one the run was trained with (``fingerprint.json``);
+        the config's fingerprint must match the one the run was trained with (``fingerprint.json``), except,
+        for a reading command, the config's ``location_fields`` (where the data lies: it may have moved);
         only then is ``config.yaml`` (training) or ``config.<command>.yaml`` written. With resume off,
         a training command first moves an existing run's files aside into ``previous-<time>/``.
         """
         from ..utils.checkpoint import clean_stale_temp_files
-        from ..utils.rundir import (RunDirError, RunLock, check_fingerprint, move_aside, prepare_run_dir,
-                                    read_fingerprint, write_fingerprint)
+        from ..utils.rundir import (RunDirError, RunLock, check_fingerprint, keep_trained_values, move_aside,
+                                    prepare_run_dir, read_fingerprint, write_fingerprint)
 
         if getattr(self, "_prepared", None) is not None:
             return  # a command calling another (reproduce -> train) prepares once
@@ -143,6 +144,10 @@ class RunContext:
             if task and owner and owner != task:
                 raise RunDirError(f"run directory {self.run_dir} belongs to task {owner}; use 'learn2stop {owner} "
                                   f"{command}', or another --run-dir for task {task}")
+            if not training:  # the data may have moved since training: a reading command reads it where it is now
+                for name, old, new in keep_trained_values(fp, read_fingerprint(self.run_dir),
+                                                          getattr(type(cfg), "location_fields", ())):
+                    self.log(f"{name}: reading {new!r} (the run was trained on {old!r})")
             known = check_fingerprint(self.run_dir, fp, command)
             if trained and not known:
                 raise RunDirError(f"run directory {self.run_dir} has checkpoints but no fingerprint.json, so the "

@@ -280,6 +280,29 @@ def diff_fields(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
     return [(k, a.get(k, ABSENT), b.get(k, ABSENT)) for k in sorted(set(a) | set(b)) if a.get(k, ABSENT) != b.get(k, ABSENT)]
 
 
+def keep_trained_values(fields: dict, stored: dict | None, names: tuple[str, ...]) -> list[tuple[str, Any, Any]]:
+    """Set each dotted field of ``names`` in ``fields`` to its value in ``stored`` (the run's fingerprint), so the
+    check passes over it; returns (field, stored value, value asked) for each that differed. A field missing on
+    either side is left alone.
+
+    Example:
+        >>> f = {"data": {"path": "/new"}}
+        >>> keep_trained_values(f, {"data": {"path": "/old"}}, ("data.path",)), f
+        ([('data.path', '/old', '/new')], {'data': {'path': '/old'}})
+    """
+    changed = []
+    for name in names if stored else ():
+        *parents, leaf = name.split(".")
+        here, there = fields, stored
+        for p in parents:
+            here, there = here.get(p) if isinstance(here, dict) else None, there.get(p) if isinstance(there, dict) else None
+        if isinstance(here, dict) and isinstance(there, dict) and leaf in here and leaf in there \
+                and here[leaf] != there[leaf]:
+            changed.append((name, there[leaf], here[leaf]))
+            here[leaf] = there[leaf]
+    return changed
+
+
 def read_fingerprint(run_dir: str | os.PathLike) -> dict | None:
     """The fields stored in ``<run_dir>/fingerprint.json``, or None if there is none yet."""
     path = Path(run_dir) / FINGERPRINT_FILE

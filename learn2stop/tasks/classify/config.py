@@ -84,6 +84,8 @@ class ClassifyConfig:
 
     #: read-only sections, left out of the run's fingerprint: the test-time rule, the inputs of ``predict``, the evaluation batch and the table's budget
     reader_fields: ClassVar[tuple[str, ...]] = ('inference', 'predict', 'eval_batch', 'table_budget')
+    #: where the data lies: a reading command on a trained run may find it elsewhere (a moved folder, another machine)
+    location_fields: ClassVar[tuple[str, ...]] = ("data.path",)
 
     seed: int = 0
     data: DataConfig = field(default_factory=DataConfig)

@@ -132,6 +132,8 @@ class DenoiseAppConfig:
 
     #: read-only sections, left out of the run's fingerprint: the test-time rule, the evaluation settings and the inputs of ``denoise``
     reader_fields: ClassVar[tuple[str, ...]] = ('inference', 'eval', 'denoise')
+    #: where the data lies: a reading command on a trained run may find it elsewhere (a moved folder, another machine)
+    location_fields: ClassVar[tuple[str, ...]] = ("data.train_dir", "data.test_dir")
 
     seed: int = 0
     data: DataConfig = field(default_factory=DataConfig)

@@ -64,6 +64,8 @@ class MAMLConfig:
 
     #: only the test-time rule is read-only here: ``eval`` fixes the validation tasks training selects on
     reader_fields: ClassVar[tuple[str, ...]] = ("inference",)
+    #: where the data lies: a reading command on a trained run may find it elsewhere (a moved folder, another machine)
+    location_fields: ClassVar[tuple[str, ...]] = ("data.path", "data.split_file")
 
     seed: int = 0
     data: DataConfig = field(default_factory=DataConfig)
