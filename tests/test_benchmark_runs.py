@@ -71,4 +71,8 @@ def test_device_check_out_of_time(tmp_path):
                                        "--device", "cpu", "--work", str(tmp_path / "work")]) == 0
     log = (tmp_path / "out" / "log.txt").read_text()
     assert "== env: skipped" in log and "== reproduce-cifar: skipped" in log
+    _load("device_check").main(["--out", str(tmp_path / "out"), "--data", str(tmp_path), "--seconds", "0", "--device", "cpu",
+                                "--work", str(tmp_path / "work"), "--skip", "pytest,reproduce"])
+    log = (tmp_path / "out" / "log.txt").read_text()
+    assert "== pytest-gpu: skipped (--skip)" in log and "== reproduce-cifar: skipped (--skip)" in log
     assert (tmp_path / "out" / "results.tar.gz").is_file()
