@@ -140,13 +140,13 @@ class RunContext:
                 # nothing trained yet (a first attempt that failed early): the settings are still free
                 (self.run_dir / "fingerprint.json").unlink(missing_ok=True)
             task = task_of_config(cfg)
-            owner = run_owner(self.run_dir, read_fingerprint(self.run_dir))
+            stored = read_fingerprint(self.run_dir)
+            owner = run_owner(self.run_dir, stored)
             if task and owner and owner != task:
                 raise RunDirError(f"run directory {self.run_dir} belongs to task {owner}; use 'learn2stop {owner} "
                                   f"{command}', or another --run-dir for task {task}")
             if not training:  # the data may have moved since training: a reading command reads it where it is now
-                for name, old, new in keep_trained_values(fp, read_fingerprint(self.run_dir),
-                                                          getattr(type(cfg), "location_fields", ())):
+                for name, old, new in keep_trained_values(fp, stored, getattr(type(cfg), "location_fields", ())):
                     self.log(f"{name}: reading {new!r} (the run was trained on {old!r})")
             known = check_fingerprint(self.run_dir, fp, command)
             if trained and not known:

@@ -290,16 +290,14 @@ def keep_trained_values(fields: dict, stored: dict | None, names: tuple[str, ...
         >>> keep_trained_values(f, {"data": {"path": "/old"}}, ("data.path",)), f
         ([('data.path', '/old', '/new')], {'data': {'path': '/old'}})
     """
-    changed = []
-    for name in names if stored else ():
+    changed = [(k, old, new) for k, old, new in diff_fields(stored or {}, fields)
+               if k in names and old is not ABSENT and new is not ABSENT]
+    for name, old, _ in changed:
         *parents, leaf = name.split(".")
-        here, there = fields, stored
+        here = fields
         for p in parents:
-            here, there = here.get(p) if isinstance(here, dict) else None, there.get(p) if isinstance(there, dict) else None
-        if isinstance(here, dict) and isinstance(there, dict) and leaf in here and leaf in there \
-                and here[leaf] != there[leaf]:
-            changed.append((name, there[leaf], here[leaf]))
-            here[leaf] = there[leaf]
+            here = here[p]
+        here[leaf] = old
     return changed
 
 
