@@ -349,3 +349,34 @@ def test_a_reading_command_finds_moved_data_a_training_command_does_not(tmp_path
         with pytest.raises(RunDirError, match="was trained with data"):
             refused.prepare(cfg, command)
         refused.close()  # as the command line does after a refusal
+
+
+def test_a_field_added_since_training_is_accepted_at_its_default_only(tmp_path):
+    """A run trained before a field existed (its fingerprint lacks it) stays usable while the field is at its
+    default, the behaviour it was trained with; another value is refused, naming the field."""
+    from dataclasses import dataclass, field
+
+    from learn2stop.tasks.base import RunContext
+
+    @dataclass
+    class Stage:
+        lr: float = 0.1
+        ema: float = 0.0  # "added since"
+
+    @dataclass
+    class Cfg:
+        stage: Stage = field(default_factory=Stage)
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    torch.save({}, run_dir / "checkpoints" / "stage1.pt")
+    write_fingerprint(run_dir, {"stage": {"lr": 0.1}})  # written before `ema` existed
+    for command in ("train", "evaluate"):
+        ok = RunContext(run_dir=run_dir, progress=False)
+        ok.prepare(Cfg(), command)
+        ok.close()
+    refused = RunContext(run_dir=run_dir, progress=False)
+    with pytest.raises(RunDirError, match=r"was trained with stage\.ema=<absent>; .* asks for stage\.ema=0\.5"):
+        refused.prepare(Cfg(stage=Stage(ema=0.5)), "evaluate")
+    refused.close()
+    assert read_fingerprint(run_dir) == {"stage": {"lr": 0.1}}  # never rewritten

@@ -69,14 +69,16 @@ def test_stage2_leaves_theta_untouched(tmp_path):
         torch.testing.assert_close(v, before[k])
 
 
-def test_short_training_run_improves(tmp_path):
+@pytest.mark.parametrize("optimizer, lr", [("adam", 1e-2), ("sgd", 0.2)])
+def test_short_training_run_improves(tmp_path, optimizer, lr):
     sm = make_sm()
     task = ToyTask()
     trainer = StagedTrainer(sm, task, tmp_path, progress=False)
     from learn2stop.core import validation_scores
     before = validation_scores(sm, task.validation_batches("cpu"), task.loss_fn)
-    trainer.fit("stage1", StageConfig(objective="stage1", iterations=150, batch_size=32, lr=1e-2, beta=0.1, eval_every=50))
-    trainer.fit("stage2", StageConfig(objective="stage2", iterations=100, batch_size=32, lr=1e-2, beta=0.1, eval_every=50))
+    opt = dict(optimizer=optimizer, lr=lr)
+    trainer.fit("stage1", StageConfig(objective="stage1", iterations=150, batch_size=32, beta=0.1, eval_every=50, **opt))
+    trainer.fit("stage2", StageConfig(objective="stage2", iterations=100, batch_size=32, beta=0.1, eval_every=50, **opt))
     after = validation_scores(sm, task.validation_batches("cpu"), task.loss_fn)
     assert after["oracle"] < 0.5 * before["oracle"]
     assert after["policy"] < 0.5 * before["policy"]
@@ -215,3 +217,77 @@ def test_lr_schedules():
     assert c.lr_at(99) < 0.01
     s = StageConfig(lr=1.0, iterations=100, lr_schedule="step", lr_decay_at=(0.5,))
     assert s.lr_at(49) == 1.0 and s.lr_at(50) == pytest.approx(0.1)
+
+
+def test_weight_average_is_the_moving_average_of_the_trajectory(tmp_path):
+    """ema > 0: the stage ends on the moving average of the iterates (decay ramped min(ema, (1+i)/(10+i))),
+    computed here by hand from the weights after each optimiser step; the live trajectory is unchanged."""
+    cfg = StageConfig(objective="stage1", iterations=15, batch_size=8, lr=0.05, eval_every=5, select="none", ema=0.8)
+    seen = []
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    hook = register_optimizer_step_post_hook(
+        lambda opt, args, kwargs: seen.append([p.detach().clone() for p in sm.model.parameters()]))
+    try:
+        sm = make_sm()
+        StagedTrainer(sm, ToyTask(), tmp_path / "a", progress=False).fit("s1", cfg)
+        plain = make_sm()
+        StagedTrainer(plain, ToyTask(), tmp_path / "b", progress=False).fit("s1", StageConfig(**{**cfg.__dict__, "ema": 0.0}))
+    finally:
+        hook.remove()
+    trajectory = seen[:15]
+    avg = [p.clone() for p in make_sm().model.parameters()]
+    for i, weights in enumerate(trajectory):
+        d = min(0.8, (1 + i) / (10 + i))
+        avg = [d * a + (1 - d) * w for a, w in zip(avg, weights)]
+    for got, want in zip(sm.model.parameters(), avg):
+        torch.testing.assert_close(got, want)
+    for got, want in zip(plain.model.parameters(), trajectory[-1]):  # ema 0: the last iterate, as before
+        torch.testing.assert_close(got, want)
+    assert not all(torch.allclose(a, w) for a, w in zip(avg, trajectory[-1]))  # the average is not the last iterate
+    for p in sm.policy.parameters():  # not trained by stage1: no average touches it
+        assert p.requires_grad
+
+
+def test_weight_average_resumes_bit_identically_and_old_checkpoints_still_resume(tmp_path):
+    cfg = StageConfig(objective="stage1", iterations=20, batch_size=8, checkpoint_every=5, eval_every=20, select="none",
+                      ema=0.9)
+    ref = make_sm()
+    StagedTrainer(ref, ToyTask(), tmp_path / "a", progress=False).fit("s1", cfg)
+    sm = make_sm()
+    with pytest.raises(Crash):
+        StagedTrainer(sm, CrashingTask(crash_at=13), tmp_path / "b", progress=False).fit("s1", cfg)
+    sm2 = make_sm()
+    StagedTrainer(sm2, ToyTask(), tmp_path / "b", progress=False).fit("s1", cfg)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(sm2.state_dict()[k], v), k
+    # a checkpoint written before `ema` existed: its stage config lacks the field; at ema 0 it is the same stage
+    plain = StageConfig(**{**cfg.__dict__, "ema": 0.0})
+    StagedTrainer(make_sm(), ToyTask(), tmp_path / "c", progress=False).fit("s1", plain)
+    path = tmp_path / "c" / "checkpoints" / "s1.pt"
+    ck = load_checkpoint(path)
+    del ck["stage_config"]["ema"]
+    save_checkpoint(ck, path)
+    assert StagedTrainer(make_sm(), ToyTask(), tmp_path / "c", progress=False).fit("s1", plain)["iterations"] == 20
+    with pytest.raises(ConfigError, match="different config"):
+        StagedTrainer(make_sm(), ToyTask(), tmp_path / "c", progress=False).fit("s1", cfg)
+
+
+def test_the_stage_optimiser_is_the_one_configured():
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    sgd = StageConfig(objective="stage1", optimizer="sgd", lr=0.1, momentum=0.9, weight_decay=5e-4).make_optimizer(params)
+    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["nesterov"] and sgd.defaults["momentum"] == 0.9
+    assert sgd.defaults["weight_decay"] == 5e-4
+    plain = StageConfig(objective="stage1", optimizer="sgd", momentum=0.0).make_optimizer(params)
+    assert not plain.defaults["nesterov"]  # Nesterov needs momentum
+    assert isinstance(StageConfig(objective="stage1").make_optimizer(params), torch.optim.Adam)
+    with pytest.raises(ConfigError, match="optimizer"):
+        StageConfig(objective="stage1", optimizer="rmsprop")
+    with pytest.raises(ConfigError, match=r"momentum: must be in \[0, 1\)"):
+        StageConfig(objective="stage1", optimizer="sgd", momentum=1.0)
+
+
+@pytest.mark.parametrize("ema", [1.0, -0.1, 2])
+def test_weight_average_decay_out_of_range_is_refused(ema):
+    with pytest.raises(ConfigError, match=r"ema: must be in \[0, 1\)"):
+        StageConfig(objective="stage1", ema=ema)

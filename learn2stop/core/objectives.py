@@ -77,6 +77,11 @@ class StageConfig:
     recompute: sampled Stage I computes every step's loss without gradients, samples t ~ q*, then
         recomputes only steps 1..t with gradients (the memory-efficient scheme of App. B.2).
     select: validation criterion for keeping the best weights: last|oracle|policy|none; "" = objective's default.
+    optimizer: "adam" (coupled L2 ``weight_decay``) or "sgd" (Nesterov momentum ``momentum``, L2 ``weight_decay``:
+        the usual recipe of CIFAR ResNets and SDN's).
+    ema: decay of an exponential moving average of the trained weights (and their float buffers, e.g. batch-norm
+        statistics), 0 = off. Validation, selection and the stage's final weights are the average's; the
+        decay ramps up as min(ema, (1 + i) / (10 + i)) so the first iterates do not dominate.
     beta, prior, prior_rate, price: unset (None / "") inherits the :class:`MethodConfig`'s value.
     """
 
@@ -101,6 +106,9 @@ class StageConfig:
     eval_every: int = 100
     checkpoint_every: int = 100
     select: str = ""
+    optimizer: str = "adam"
+    momentum: float = 0.9
+    ema: float = 0.0
 
     def __post_init__(self):
         check_fields(self)  # types first: no bool for an int, no NaN or inf, lists where lists belong
@@ -132,6 +140,20 @@ class StageConfig:
         if self.select == "":
             self.select = SELECTS[self.objective]
         one_of(self.select, ("last", "oracle", "policy", "none"), "select")
+        one_of(self.optimizer, ("adam", "sgd"), "optimizer")
+        require(0 <= self.momentum < 1, "momentum", f"must be in [0, 1); got {self.momentum}")
+        require(0 <= self.ema < 1, "ema", f"must be in [0, 1) (0: no moving average); got {self.ema}")
+
+    def make_optimizer(self, params: list) -> torch.optim.Optimizer:
+        """The stage's optimiser over ``params`` (its learning rate is set per iteration by :meth:`lr_at`)."""
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, nesterov=self.momentum > 0,
+                                   weight_decay=self.weight_decay)
+        return torch.optim.Adam(params, lr=self.lr, weight_decay=self.weight_decay)
+
+    def ema_decay(self, iteration: int) -> float:
+        """The moving average's decay after the 0-based ``iteration``'s step (0 when off)."""
+        return min(self.ema, (1 + iteration) / (10 + iteration)) if self.ema > 0 else 0.0
 
     def inherit(self, method: "MethodConfig | None" = None) -> "StageConfig":
         """A copy with every unset method-level field taken from ``method`` (defaults if None)."""

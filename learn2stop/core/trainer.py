@@ -147,6 +147,50 @@ def validation_scores(sm: StoppingModel, batches: Iterable[tuple[Any, Any]], los
     return out
 
 
+class WeightAverage:
+    """An exponential moving average of a stage's trained tensors: its parameters and float buffers.
+
+    ``tensors`` are the live tensors by name (entries of the model's ``state_dict(keep_vars=True)``);
+    :meth:`update` moves the average towards them, :meth:`swap` exchanges the two in place (twice: back).
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.live = {k: v for k, v in tensors.items() if v.is_floating_point()}
+        self.avg = {k: v.detach().clone() for k, v in self.live.items()}
+
+    @torch.no_grad()
+    def update(self, decay: float) -> None:
+        live, avg = list(self.live.values()), list(self.avg.values())
+        torch._foreach_lerp_(avg, [v.detach() for v in live], 1.0 - decay)
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        for k, v in self.live.items():
+            kept = v.detach().clone()
+            v.copy_(self.avg[k])
+            self.avg[k].copy_(kept)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.avg.items()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if set(state) != set(self.avg):
+            raise CheckpointError("the checkpoint's weight average does not fit this model's trained tensors")
+        for k, v in state.items():
+            self.avg[k].copy_(v)
+
+
+def same_stage_config(stored: Any, cfg: StageConfig) -> bool:
+    """Whether a checkpoint's stage config is ``cfg``'s; a field the checkpoint predates counts as equal when
+    ``cfg`` has it at its default (the behaviour the checkpoint was trained with)."""
+    now = to_dict(cfg)
+    if not isinstance(stored, dict):
+        return False
+    default = to_dict(StageConfig(objective=cfg.objective))
+    return stored == {k: v for k, v in now.items() if k in stored or v != default.get(k)}
+
+
 class StagedTrainer:
     """Runs the paper's stages (and the baselines) on one :class:`StoppingModel`.
 
@@ -220,11 +264,15 @@ class StagedTrainer:
         cfg = cfg if cfg.resolved else cfg.inherit()
         path, best_path = self.ckpt_dir / f"{name}.pt", self.ckpt_dir / f"{name}_best.pt"
         params = self._trainable(cfg)
-        opt = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        opt = cfg.make_optimizer(params)
+        prefixes = tuple(f"{part}." for part in {"model": ["model"], "policy": ["policy"],
+                                                 "both": ["model", "policy"]}[cfg.trains])
+        average = WeightAverage({k: v for k, v in self.sm.state_dict(keep_vars=True).items()
+                                 if k.startswith(prefixes)}) if cfg.ema > 0 else None
         start, best, elapsed, best_state = 0, float("inf"), 0.0, None
         if self.resume and path.is_file():
             ck = load_checkpoint(path, map_location=self.ctx.device)
-            if ck.get("stage_config") != to_dict(cfg):
+            if not same_stage_config(ck.get("stage_config"), cfg):
                 raise ConfigError(
                     f"{path} was written with a different config for stage {name!r}; "
                     f"use a new run directory or turn resume off")
@@ -234,6 +282,8 @@ class StagedTrainer:
                     p.requires_grad_(True)
                 return ck["summary"]
             opt.load_state_dict(ck["optimizer"])
+            if average is not None:
+                average.load_state_dict(ck["ema"])
             start, best, elapsed = ck["iteration"], ck["best_score"], ck.get("elapsed", 0.0)
         saved_at = start if start > 0 else None  # the last good checkpoint of this stage, kept if it diverges
 
@@ -261,6 +311,7 @@ class StagedTrainer:
                 save_checkpoint({"stage": name, "stage_config": to_dict(cfg), "iteration": iteration,
                                  "completed": completed, "best_score": best, "elapsed": elapsed,
                                  "weights": self._state(), "optimizer": opt.state_dict(),
+                                 **({"ema": average.state_dict()} if average is not None and not completed else {}),
                                  "summary": summary or {}}, path)
             self.ctx.barrier()
 
@@ -290,11 +341,15 @@ class StagedTrainer:
                 raise self._diverged(name, it + 1, f"the gradient norm is {float(grad_norm)} (loss {loss_value:.4g})",
                                      cfg, saved_at)
             opt.step()
+            if average is not None:
+                average.update(cfg.ema_decay(it))
             bar.update(1)
             done = it + 1
             if done % 10 == 0 or done == cfg.iterations:
                 bar.set_postfix(loss=f"{loss_value:.4g}")
             if done % cfg.eval_every == 0 or done == cfg.iterations:
+                if average is not None:
+                    average.swap()  # validated, selected and kept: the average's weights
                 try:
                     scores = self._validate(cfg)
                 except FloatingPointError as e:
@@ -305,6 +360,8 @@ class StagedTrainer:
                     best, best_state = score, self._state()  # every rank keeps its own copy: no file race
                     if self.ctx.is_main:
                         save_checkpoint({"stage": name, "iteration": done, "weights": best_state}, best_path)
+                if average is not None:
+                    average.swap()
                 self._log({"stage": name, "iteration": done, "train_loss": loss_value, **metrics,
                            **{f"val_{k}": v for k, v in scores.items()}, "lr": cfg.lr_at(it),
                            "seconds": round(elapsed + time.perf_counter() - t0, 2)})  # the stage's time so far
@@ -314,6 +371,8 @@ class StagedTrainer:
                 checkpoint(done)
         bar.close()
         elapsed += time.perf_counter() - t0
+        if average is not None and cfg.select == "none":
+            average.swap()  # the stage's weights are the average's
         if cfg.select != "none":
             if best_state is not None:
                 self.sm.load_state_dict(best_state)

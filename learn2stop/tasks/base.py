@@ -118,8 +118,8 @@ class RunContext:
         a training command first moves an existing run's files aside into ``previous-<time>/``.
         """
         from ..utils.checkpoint import clean_stale_temp_files
-        from ..utils.rundir import (RunDirError, RunLock, check_fingerprint, keep_trained_values, move_aside,
-                                    prepare_run_dir, read_fingerprint, write_fingerprint)
+        from ..utils.rundir import (RunDirError, RunLock, check_fingerprint, drop_added_defaults, keep_trained_values,
+                                    move_aside, prepare_run_dir, read_fingerprint, write_fingerprint)
 
         if getattr(self, "_prepared", None) is not None:
             return  # a command calling another (reproduce -> train) prepares once
@@ -148,6 +148,7 @@ class RunContext:
             if not training:  # the data may have moved since training: a reading command reads it where it is now
                 for name, old, new in keep_trained_values(fp, stored, getattr(type(cfg), "location_fields", ())):
                     self.log(f"{name}: reading {new!r} (the run was trained on {old!r})")
+            drop_added_defaults(fp, stored, run_fingerprint(type(cfg)()))  # fields added since, at their defaults
             known = check_fingerprint(self.run_dir, fp, command)
             if trained and not known:
                 raise RunDirError(f"run directory {self.run_dir} has checkpoints but no fingerprint.json, so the "

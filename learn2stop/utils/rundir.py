@@ -301,6 +301,30 @@ def keep_trained_values(fields: dict, stored: dict | None, names: tuple[str, ...
     return changed
 
 
+def drop_added_defaults(fields: dict, stored: dict | None, defaults: dict) -> list[str]:
+    """Remove from ``fields`` each leaf the run's fingerprint predates (absent in ``stored``) whose value is its
+    default in ``defaults``: a field added to the library since, asked at the behaviour the run was trained
+    with. Returns the dotted names removed.
+
+    Example:
+        >>> f = {"stage": {"lr": 0.1, "ema": 0.0}}
+        >>> drop_added_defaults(f, {"stage": {"lr": 0.1}}, {"stage": {"lr": 0.001, "ema": 0.0}}), f
+        (['stage.ema'], {'stage': {'lr': 0.1}})
+    """
+    if stored is None:
+        return []
+    have, default = _flatten(_plain(stored, "")), _flatten(_plain(defaults, ""))
+    dropped = [k for k, v in _flatten(_plain(fields, "")).items()
+               if k not in have and k in default and v == default[k]]
+    for name in dropped:
+        *parents, leaf = name.split(".")
+        here = fields
+        for p in parents:
+            here = here[p]
+        del here[leaf]
+    return dropped
+
+
 def read_fingerprint(run_dir: str | os.PathLike) -> dict | None:
     """The fields stored in ``<run_dir>/fingerprint.json``, or None if there is none yet."""
     path = Path(run_dir) / FINGERPRINT_FILE
@@ -433,4 +457,5 @@ def truncate_metrics(path: str | os.PathLike, stage: str, iteration: int) -> int
 
 
 __all__ = ["ABSENT", "FINGERPRINT_FILE", "LOCK_FILE", "RunDirError", "RunLock", "check_fingerprint", "diff_fields",
+           "drop_added_defaults",
            "fingerprint", "fingerprint_task", "move_aside", "prepare_run_dir", "read_fingerprint", "truncate_metrics", "write_fingerprint"]
