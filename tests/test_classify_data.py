@@ -315,6 +315,26 @@ def test_augment_crops_and_flips_reproducibly():
     assert torch.equal(Augment(pad=0, flip=False)(x, torch.Generator()), x)
 
 
+def test_cutout_zeroes_one_clipped_square_per_image_after_the_plain_augmentation():
+    x = torch.from_numpy(images(64, size=10)).clamp_min(1)  # no zero pixel but the holes'
+    plain = Augment(pad=0)(x, torch.Generator().manual_seed(3))
+    cut = Augment(pad=0, cutout=4)(x, torch.Generator().manual_seed(3))
+    assert torch.equal(cut[(cut != 0)], plain[(cut != 0)])  # cutout draws last: the same crops and flips
+    holes = (cut == 0) & (plain != 0)
+    assert torch.equal(holes[:, :1].expand_as(holes), holes)  # every channel alike
+    for h in holes[:, 0]:
+        rows, cols = h.any(1).nonzero().flatten(), h.any(0).nonzero().flatten()
+        assert h.sum() == len(rows) * len(cols) and 1 <= len(rows) <= 4 and 1 <= len(cols) <= 4  # a clipped square
+        assert h[rows.min():rows.max() + 1, cols.min():cols.max() + 1].all()
+    assert (holes.sum((1, 2, 3)) == 3 * 16).any() and (holes.sum((1, 2, 3)) < 3 * 16).any()  # whole and clipped
+    with pytest.raises(ValueError, match="cutout must be >= 0"):
+        Augment(cutout=-1)
+    from learn2stop.tasks.classify.config import DataConfig
+    from learn2stop.utils.config import ConfigError
+    with pytest.raises(ConfigError, match=r"data\.cutout: must be in \[0, data\.size = 32\]"):
+        DataConfig(size=32, cutout=40)
+
+
 def test_channel_stats_and_normalize():
     x = images(40, size=4)
     x[:, 1] //= 4  # a darker channel

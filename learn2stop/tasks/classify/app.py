@@ -84,7 +84,7 @@ class ClassifyApp(StoppingApp):
                 for k, v in nets.items()}
 
     def training_task(self, cfg, key, sm):
-        return ClassifyTask(self.images(cfg), cfg.data.augment, cfg.eval_batch, cfg.stop_loss)
+        return ClassifyTask(self.images(cfg), cfg.data.augment, cfg.eval_batch, cfg.stop_loss, cfg.data.cutout)
 
     def stages(self, cfg: ClassifyConfig) -> list[Stage]:
         T = self.network(cfg).num_steps

@@ -16,13 +16,18 @@ SOURCES = ("synthetic", *list_datasets())
 
 @dataclass
 class DataConfig:
-    """The images. ``synthetic``: generated class-coded textures (no data needed; tests and demos)."""
+    """The images. ``synthetic``: generated class-coded textures (no data needed; tests and demos).
+
+    augment: pad-4 random crop and flip of the training images; cutout: then zero a square of this side at a
+    random place in each (0 = off).
+    """
 
     kind: str = "tiny_imagenet"
     path: str = "data/tiny-imagenet-200"
     size: int = 64
     val_fraction: float = 0.1
     augment: bool = True
+    cutout: int = 0
     synthetic_per_class: int = 60
     synthetic_classes: int = 4
 
@@ -30,6 +35,7 @@ class DataConfig:
         one_of(self.kind, SOURCES, "data.kind")
         require(0 < self.val_fraction < 1, "data.val_fraction", f"must be in (0, 1); got {self.val_fraction}")
         int_at_least(self.size, "data.size", 8)
+        require(0 <= self.cutout <= self.size, "data.cutout", f"must be in [0, data.size = {self.size}]; got {self.cutout}")
         int_at_least(self.synthetic_classes, "data.synthetic_classes", 2)  # one class: nothing to classify
         require(self.kind == "synthetic" or self.path != "", "data.path", f"needed for data.kind = {self.kind}")
 

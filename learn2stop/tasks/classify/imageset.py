@@ -134,16 +134,20 @@ def normalize(images: Tensor, mean: Sequence[float], std: Sequence[float]) -> Te
 
 
 class Augment:
-    """Random crop after zero padding and random horizontal flip, per image, on a (B, C, H, W) batch.
+    """Random crop after zero padding, random horizontal flip and optional cutout, per image, on (B, C, H, W).
 
     The standard CIFAR augmentation (pad 4, crop 32, flip), in plain torch on any device and dtype;
-    all draws come from the ``generator`` given at each call (a CPU generator), so runs repeat.
+    ``cutout`` > 0 then zeroes a square of that side centred anywhere in the image, clipped at its border
+    (DeVries & Taylor, 2017). All draws come from the ``generator`` given at each call (a CPU generator),
+    so runs repeat; cutout draws last, so without it the batches are those of the plain augmentation.
     """
 
-    def __init__(self, pad: int = 4, flip: bool = True):
+    def __init__(self, pad: int = 4, flip: bool = True, cutout: int = 0):
         if pad < 0:
             raise ValueError(f"pad must be >= 0; got {pad}")
-        self.pad, self.flip = pad, flip
+        if cutout < 0:
+            raise ValueError(f"cutout must be >= 0; got {cutout}")
+        self.pad, self.flip, self.cutout = pad, flip, cutout
 
     def __call__(self, images: Tensor, generator: torch.Generator) -> Tensor:
         B, C, H, W = images.shape
@@ -160,4 +164,12 @@ class Augment:
         if self.flip:
             flip = (torch.rand(B, generator=generator) < 0.5).to(dev).view(B, 1, 1, 1)
             x = torch.where(flip, x.flip(-1), x)
+        if self.cutout:
+            cy = torch.randint(0, H, (B,), generator=generator).to(dev).view(B, 1, 1, 1)
+            cx = torch.randint(0, W, (B,), generator=generator).to(dev).view(B, 1, 1, 1)
+            top, left = cy - self.cutout // 2, cx - self.cutout // 2
+            r = torch.arange(H, device=dev).view(1, 1, H, 1)
+            c = torch.arange(W, device=dev).view(1, 1, 1, W)
+            hole = (r >= top) & (r < top + self.cutout) & (c >= left) & (c < left + self.cutout)
+            x = x.masked_fill(hole, 0)
         return x.contiguous()

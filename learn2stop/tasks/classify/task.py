@@ -63,8 +63,8 @@ class ClassifyTask:
     ``stop_loss``: the loss of Stage II's oracle, ``"error"`` (0/1) or ``"cross_entropy"`` (the training loss).
     """
 
-    def __init__(self, images: Images, augment: bool, batch: int, stop_loss: str = "error"):
-        self.images, self.augment, self.batch = images, Augment() if augment else None, batch
+    def __init__(self, images: Images, augment: bool, batch: int, stop_loss: str = "error", cutout: int = 0):
+        self.images, self.augment, self.batch = images, Augment(cutout=cutout) if augment else None, batch
         self.x, self.y = images.train.tensors()
         self.stop_loss_fn = error_loss if stop_loss == "error" else self.loss_fn
 
