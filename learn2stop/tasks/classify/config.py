@@ -147,7 +147,7 @@ PRESETS: dict[str, dict] = {
     "quick": {"data": {"kind": "cifar_subset_npz", "path": "../shared/data/cifar10-subset", "size": 32},
               "model": {"arch": "vgg6-narrow", "fc_width": 0, "dropout": 0.2, "channels_last": True},
               "baseline": _quick(1700, batch_size=64), "sdn": _quick(400, batch_size=64, lr=1e-3, warmup=20),
-              "sdn_from": "baseline", "stage1": _quick(100, batch_size=64, lr=2e-4, warmup=0),
+              "sdn_from": "baseline", "stage1": _quick(100, batch_size=64, lr=1e-4, warmup=0),
               "stage2": _quick(200, lr=3e-3, weight_decay=0.0, lr_schedule="constant", warmup=0, beta=0.1, price=0.3),
               "method": {"beta": 1.0, "price": 1.0}},
     # VGG16-BN on the same subset (a few CPU-hours; benchmarks/classify_cifar.py).
