@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from ..utils.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..utils.config import ConfigError, to_dict
 from ..utils.report import append_jsonl
-from ..utils.rundir import truncate_metrics
+from ..utils.rundir import drop_added_defaults, truncate_metrics
 from ..utils.distributed import DistContext
 from .calibration import InferenceConfig
 from .distributions import exit_costs
@@ -147,48 +147,51 @@ def validation_scores(sm: StoppingModel, batches: Iterable[tuple[Any, Any]], los
     return out
 
 
+#: the StoppingModel's attributes a stage trains, by ``StageConfig.trains``
+TRAINED_PARTS = {"model": ("model",), "policy": ("policy",), "both": ("model", "policy")}
+
+
 class WeightAverage:
     """An exponential moving average of a stage's trained tensors: its parameters and float buffers.
 
     ``tensors`` are the live tensors by name (entries of the model's ``state_dict(keep_vars=True)``);
-    :meth:`update` moves the average towards them, :meth:`swap` exchanges the two in place (twice: back).
+    :meth:`update` moves the average towards them (once per training step), :meth:`swap` exchanges the two
+    in place (twice: back).
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.live = {k: v for k, v in tensors.items() if v.is_floating_point()}
-        self.avg = {k: v.detach().clone() for k, v in self.live.items()}
+        self.names = [k for k, v in tensors.items() if v.is_floating_point()]
+        self._live = [tensors[k].detach() for k in self.names]  # views of the model's storage
+        self._avg = [v.clone() for v in self._live]
 
     @torch.no_grad()
     def update(self, decay: float) -> None:
-        live, avg = list(self.live.values()), list(self.avg.values())
-        torch._foreach_lerp_(avg, [v.detach() for v in live], 1.0 - decay)
+        torch._foreach_lerp_(self._avg, self._live, 1.0 - decay)
 
     @torch.no_grad()
     def swap(self) -> None:
-        for k, v in self.live.items():
-            kept = v.detach().clone()
-            v.copy_(self.avg[k])
-            self.avg[k].copy_(kept)
+        kept = [v.clone() for v in self._live]
+        torch._foreach_copy_(self._live, self._avg)
+        torch._foreach_copy_(self._avg, kept)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self.avg.items()}
+        return {k: v.clone() for k, v in zip(self.names, self._avg)}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if set(state) != set(self.avg):
+        if set(state) != set(self.names):
             raise CheckpointError("the checkpoint's weight average does not fit this model's trained tensors")
-        for k, v in state.items():
-            self.avg[k].copy_(v)
+        torch._foreach_copy_(self._avg, [state[k] for k in self.names])
 
 
 def same_stage_config(stored: Any, cfg: StageConfig) -> bool:
     """Whether a checkpoint's stage config is ``cfg``'s; a field the checkpoint predates counts as equal when
-    ``cfg`` has it at its default (the behaviour the checkpoint was trained with)."""
-    now = to_dict(cfg)
+    ``cfg`` has it at its default (:func:`~learn2stop.utils.rundir.drop_added_defaults`, as for a run's fingerprint)."""
     if not isinstance(stored, dict):
         return False
-    default = to_dict(StageConfig(objective=cfg.objective))
-    return stored == {k: v for k, v in now.items() if k in stored or v != default.get(k)}
+    now = to_dict(cfg)
+    drop_added_defaults(now, stored, to_dict(StageConfig(objective=cfg.objective)))
+    return stored == now
 
 
 class StagedTrainer:
@@ -225,7 +228,7 @@ class StagedTrainer:
             append_jsonl(self.run_dir / "metrics.jsonl", record)  # strict JSON: NaN/inf become null
 
     def _trainable(self, cfg: StageConfig) -> list[nn.Parameter]:
-        parts = {"model": [self.sm.model], "policy": [self.sm.policy], "both": [self.sm.model, self.sm.policy]}[cfg.trains]
+        parts = [getattr(self.sm, name) for name in TRAINED_PARTS[cfg.trains]]
         if any(p is None for p in parts):
             raise ValueError(f"stage objective {cfg.objective!r} trains the policy, but the StoppingModel has none")
         for p in self.sm.parameters():
@@ -265,8 +268,7 @@ class StagedTrainer:
         path, best_path = self.ckpt_dir / f"{name}.pt", self.ckpt_dir / f"{name}_best.pt"
         params = self._trainable(cfg)
         opt = cfg.make_optimizer(params)
-        prefixes = tuple(f"{part}." for part in {"model": ["model"], "policy": ["policy"],
-                                                 "both": ["model", "policy"]}[cfg.trains])
+        prefixes = tuple(f"{name}." for name in TRAINED_PARTS[cfg.trains])
         average = WeightAverage({k: v for k, v in self.sm.state_dict(keep_vars=True).items()
                                  if k.startswith(prefixes)}) if cfg.ema > 0 else None
         start, best, elapsed, best_state = 0, float("inf"), 0.0, None

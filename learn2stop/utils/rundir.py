@@ -280,6 +280,14 @@ def diff_fields(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
     return [(k, a.get(k, ABSENT), b.get(k, ABSENT)) for k in sorted(set(a) | set(b)) if a.get(k, ABSENT) != b.get(k, ABSENT)]
 
 
+def _parent(fields: dict, name: str) -> tuple[dict, str]:
+    """The dict holding the dotted field ``name`` of a nested dict, and the field's own key."""
+    *parents, leaf = name.split(".")
+    for p in parents:
+        fields = fields[p]
+    return fields, leaf
+
+
 def keep_trained_values(fields: dict, stored: dict | None, names: tuple[str, ...]) -> list[tuple[str, Any, Any]]:
     """Set each dotted field of ``names`` in ``fields`` to its value in ``stored`` (the run's fingerprint), so the
     check passes over it; returns (field, stored value, value asked) for each that differed. A field missing on
@@ -293,11 +301,8 @@ def keep_trained_values(fields: dict, stored: dict | None, names: tuple[str, ...
     changed = [(k, old, new) for k, old, new in diff_fields(stored or {}, fields)
                if k in names and old is not ABSENT and new is not ABSENT]
     for name, old, _ in changed:
-        *parents, leaf = name.split(".")
-        here = fields
-        for p in parents:
-            here = here[p]
-        here[leaf] = old
+        parent, leaf = _parent(fields, name)
+        parent[leaf] = old
     return changed
 
 
@@ -317,11 +322,8 @@ def drop_added_defaults(fields: dict, stored: dict | None, defaults: dict) -> li
     dropped = [k for k, v in _flatten(_plain(fields, "")).items()
                if k not in have and k in default and v == default[k]]
     for name in dropped:
-        *parents, leaf = name.split(".")
-        here = fields
-        for p in parents:
-            here = here[p]
-        del here[leaf]
+        parent, leaf = _parent(fields, name)
+        del parent[leaf]
     return dropped
 
 
@@ -457,5 +459,5 @@ def truncate_metrics(path: str | os.PathLike, stage: str, iteration: int) -> int
 
 
 __all__ = ["ABSENT", "FINGERPRINT_FILE", "LOCK_FILE", "RunDirError", "RunLock", "check_fingerprint", "diff_fields",
-           "drop_added_defaults",
+           "drop_added_defaults", "keep_trained_values",
            "fingerprint", "fingerprint_task", "move_aside", "prepare_run_dir", "read_fingerprint", "truncate_metrics", "write_fingerprint"]
