@@ -406,7 +406,7 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
         cal = calibrate_match(val.signals[rule], costs, lambda stops: metric(val.at(stops), val.extras), metric.better,
                               goal, rule, to_param=signal.to_param)
         if cal is None:
-            run.log(f"deployed rule: no {rule} threshold of the stop model reaches {reference} on validation "
+            run.log(f"deployed rule: no threshold of the stop model's {rule} rule reaches {reference} on validation "
                     f"(full-depth lead {lead:.4g}), so the configured {app.inference(cfg).rule} rule stays")
             return None
         how = f"no full-depth lead ({lead:.4g}) to certify: the cheapest threshold matching it on validation, no guarantee"
