@@ -18,7 +18,7 @@ and an earlier export at the same place is replaced only once the new one is com
 The graphs are traced with torch's TorchScript-based exporter (``torch.onnx.export(dynamo=False)``, opset
 17): it needs nothing beyond ``onnx`` and drops the inputs a step never reads, which tells the runtime what
 to compact. It is deprecated since torch 2.9; a torch without it will need the dynamo exporter (onnxscript).
-Two ops our policies use get ONNX forms here (``logcumsumexp``, ``count_nonzero``).
+One op our policies use gets its ONNX form here (``logcumsumexp``).
 
 Example:
     >>> from learn2stop.export import export_stop_model              # doctest: +SKIP
@@ -238,16 +238,7 @@ def _register_symbolics(opset: int) -> None:
         c = g.op("CumSum", g.op("Exp", g.op("Sub", xd, m)), g.op("Constant", value_t=torch.tensor(d)))
         return g.op("Cast", g.op("Add", g.op("Log", c), m), to_i=1)  # FLOAT
 
-    def count_nonzero(g, x, dim):
-        dims = symbolic_helper._maybe_get_const(dim, "t")  # an int or a list of ints, as a constant tensor
-        dims = [int(d) for d in torch.as_tensor(dims).flatten()]
-        nonzero = g.op("Cast", g.op("Not", g.op("Equal", x, g.op("Constant", value_t=torch.tensor(0.0)))), to_i=7)  # INT64
-        if opset < 13:
-            return g.op("ReduceSum", nonzero, axes_i=dims, keepdims_i=0)
-        return g.op("ReduceSum", nonzero, g.op("Constant", value_t=torch.tensor(dims, dtype=torch.long)), keepdims_i=0)
-
     register_custom_op_symbolic("aten::logcumsumexp", logcumsumexp, opset)
-    register_custom_op_symbolic("aten::count_nonzero", count_nonzero, opset)
     _SYMBOLICS.add(opset)
 
 

@@ -190,6 +190,35 @@ def test_plan_log_q_stops_where_the_logits_round_trip_does(s):
         run_with_early_exit(model, y, SignalRule.from_param(PriceSignal(BadShape(T, plan_step=1)), 1.0))
 
 
+def test_speed_samples_are_a_mix_of_a_grouped_test_set():
+    from learn2stop.core.pipeline import shuffled
+
+    groups = torch.arange(3).repeat_interleave(100)  # a test set grouped like sparse's SNRs
+    mixed = shuffled({"x": groups[:, None].float(), "g": groups})
+    assert sorted(mixed["g"].tolist()) == groups.tolist() and (mixed["x"][:, 0] == mixed["g"]).all()
+    assert set(mixed["g"][:30].tolist()) == {0, 1, 2}  # the first samples, timed one by one, hold every group
+    assert torch.equal(shuffled(groups), shuffled(groups))  # the same order every run
+
+
+def test_the_own_cost_run_plans_and_never_stops_early():
+    """The frontier times a policy's own cost with its main rule asked as at inference but never stopping early:
+    the price rule at the listed threshold still plans, once per rollout, and runs every sample to T; at +inf it
+    would skip the plan (and time nothing)."""
+    from learn2stop.core.pipeline import _ASKED_NEVER
+    from learn2stop.core.rules import PriceSignal
+
+    torch.manual_seed(6)
+    T = 8
+    model, direct = ToyStepModel(num_steps=T), DirectPlanner(T, plan_step=2)
+    with torch.no_grad():
+        direct.net.weight.mul_(6)
+        y = torch.randn(50, 3)
+        asked = run_with_early_exit(model, y, SignalRule(PriceSignal(direct), _ASKED_NEVER["price"]))
+        assert direct.calls == 1 and (asked.stop_times == T).all()
+        run_with_early_exit(model, y, SignalRule(PriceSignal(direct), math.inf))
+        assert direct.calls == 1
+
+
 def test_price_zero_is_the_map_stop_time_of_the_plan():
     """Fed one price the price-conditioned rule is the single-price plan's own choice: price 0 stops at
     q_phi's most likely step (the MAP target of Stage II)."""

@@ -460,6 +460,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
         other = load_stage(app, cfg, run.run_dir, stage, dev)
         network(f"{prefix}_", collect_trace(other.model, app.eval_batches(cfg, "test", dev), metric, dev,
                                             signals=app.classical_signals(cfg), extras=app.trace_extras(cfg)), other.model)
+    main = None
     if sm.policy is not None:
         check_policy_rule(app.inference(cfg).rule, sm, "inference.rule")
         main = app.policy_rule(cfg)
@@ -472,15 +473,16 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
     run.log(f"frontier: traces of {N} test samples in {time.perf_counter() - t0:.1f}s; measuring speeds")
     overhead, bn = None, min(app.speed_batch, N)
     if speed:
-        inputs = app.speed_inputs(cfg, dev)
+        inputs = shuffled(app.speed_inputs(cfg, dev))
         n_in = tree_leaves(inputs)[0].shape[0]
         bn = min(app.speed_batch, n_in)
         one = tree_map(lambda x: x[:min(app.speed_samples, n_in)], inputs)
         big = tree_map(lambda x: x[:bn * max(1, min(n_in // bn, app.speed_batches))], inputs)
         jobs = [(full, lambda: FixedDepth(), sm.model)]
         asked: dict = {}
-        if sm.policy is not None:  # the policy's own cost: asked at every step, never stopping
-            jobs.append((asked, lambda: SignalRule(make_signal("quantile", sm.policy), math.inf), sm.model))
+        if sm.policy is not None:  # the policy's own cost: its main rule asked as at inference, never stopping early
+            jobs.append((asked, lambda: SignalRule(make_signal(main, sm.policy), _ASKED_NEVER.get(main, math.inf)),
+                         sm.model))
         jobs += [(p, how[name][0](p), how[name][1]) for name, pts in curves.items() if name in how for p in pts]
         # Round-robin passes, the best per point: a drift in the machine's load hits every point alike.
         # Only the first pass warms up (and compiles or exports, for such a backend): later ones are warm.
@@ -536,6 +538,19 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
             frontier_time_plot(result, out / "frontier_time.png")
         run.log(frontier_markdown(result))
     return result
+
+
+def shuffled(inputs: Any, seed: int = 0) -> Any:
+    """A batch-first tree in a fixed random order. The frontier times the first samples of its test inputs one by
+    one; test sets come grouped (by SNR, noise level, class), and the first ones would be one group (measured on
+    sparse: the first 200 are all SNR 20, which the learned rule runs 14.0 steps against 13.4 on the whole set)."""
+    order = torch.randperm(tree_leaves(inputs)[0].shape[0], generator=torch.Generator().manual_seed(seed))
+    return tree_map(lambda x: x[order.to(x.device)], inputs)
+
+
+#: the threshold of a policy rule that still asks the policy (or plans) but never stops before T, where +inf skips
+#: the asking: the price rule's plan at an infinite price skips the plan, at the largest float it plans depth T.
+_ASKED_NEVER = {"price": float(torch.finfo(torch.float32).max)}
 
 
 def deployed_rule(app: StoppingApp, cfg: Any, run_dir, sm: StoppingModel, generator=None):

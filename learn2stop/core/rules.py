@@ -15,6 +15,7 @@ sample (``view.index``) and reset when a new rollout starts (t = 1).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -139,6 +140,12 @@ class QuantileSignal(_PolicyBased, _Stateful):
         return -log_survival[view.index]
 
 
+@functools.lru_cache(maxsize=16)
+def _unit_costs(T: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """c_t = t / T for t = 1..T (made once: at batch 1 each op of the plan costs its dispatch)."""
+    return torch.arange(1, T + 1, dtype=dtype, device=device) / T
+
+
 class _LowerStops:
     """Mixin: the rule stops when a quantity falls below the parameter (score = minus it)."""
 
@@ -182,9 +189,8 @@ class PriceSignal(_LowerStops, _PolicyBased):
         if threshold == math.inf:  # the calibrators' "never stop early": no plan needed
             return torch.full((view.index.numel(),), view.num_steps, dtype=torch.long, device=view.index.device)
         log_q = planned_log_q(self.policy, view.inputs, view.output, view.t, view.index.numel(), view.num_steps)
-        T = log_q.shape[1]
-        c = torch.arange(1, T + 1, dtype=log_q.dtype, device=log_q.device) / T
-        return (log_q[:, view.t - 1:] + threshold * c[view.t - 1:]).argmax(dim=1) + view.t  # threshold = -price
+        c = _unit_costs(log_q.shape[1], log_q.dtype, log_q.device)[view.t - 1:]
+        return torch.add(log_q[:, view.t - 1:], c, alpha=threshold).argmax(dim=1) + view.t  # threshold = -price
 
     def __call__(self, view: StepView) -> Tensor:
         raise ValueError("the price rule reads a planned q_phi: it needs a planning policy (one with plan_step)")
