@@ -76,3 +76,17 @@ def test_device_check_out_of_time(tmp_path):
     log = (tmp_path / "out" / "log.txt").read_text()
     assert "== pytest-gpu: skipped (--skip)" in log and "== reproduce-cifar: skipped (--skip)" in log
     assert (tmp_path / "out" / "results.tar.gz").is_file()
+
+
+def test_sparse_planner_cost_tiny(capsys):
+    """The planner's parts and the rollouts are timed at both batch sizes, each with both support counts; the
+    support count is restored after."""
+    from learn2stop.tasks.sparse import policy
+
+    saved = policy.support_size
+    rows = _load("sparse_planner_cost").main(["--tiny"])
+    assert set(rows) == {1, 32} and policy.support_size is saved
+    for best in rows.values():
+        assert {"one LISTA step", "planner features, support 0-norm (before)", "deployed price rule, support sign-sum (now)",
+                "stop model, fixed 3 steps", "LISTA-4, full depth"} <= set(best) and all(v > 0 for v in best.values())
+    assert "| in LISTA steps |" in capsys.readouterr().out
