@@ -281,6 +281,10 @@ def test_frontier_and_calibrate_run_end_to_end_on_tiny_sparse(tmp_path, capsys):
     assert fr["full_depth"]["metric"] == pytest.approx(fr["curves"]["fixed_depth"][-1]["metric"])
     for p in fr["curves"]["policy"]:
         assert p["mean_steps"] / 5 <= p["budget"] + 0.15  # calibrated on validation, scored on test
+    # the main rule also swept on the test trace, like the classical rules: its points are thresholds, timed too
+    swept = fr["curves"]["policy_swept"]
+    assert len({p["mean_steps"] for p in swept}) >= 2 and all(1 <= p["mean_steps"] <= 5 for p in swept)
+    assert all(p["samples_per_s_batch1"] > 0 and "threshold" in p for p in swept)
     assert (run / "frontier.png").is_file() and "| policy |" in (run / "frontier.md").read_text()
     # evaluate now uses the calibrated rule
     assert main(["sparse", "evaluate", "--run-dir", str(run), "--no-progress", *TINY]) == 0

@@ -468,6 +468,10 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
             name = "policy" if rule == main else f"policy_{rule}"
             curves[name] = budget_curve(test, metric, val, rule, make_signal(rule, sm.policy), budgets, app.budget_by)
             how[name] = (lambda p, r=rule: (lambda: SignalRule(make_signal(r, sm.policy), p["threshold"])), sm.model)
+        # The main rule swept over thresholds on the test trace, as the classical rules are: the like-for-like
+        # comparison of the rules' rankings (the budget curve above is what calibration on validation deploys).
+        curves["policy_swept"] = sweep_curve(test, metric, test.signals[main], make_signal(main, sm.policy))
+        how["policy_swept"] = (lambda p: (lambda: SignalRule(make_signal(main, sm.policy), p["threshold"])), sm.model)
     curves["oracle"] = oracle_curve(test, metric)
     full = _point(test, metric, torch.full((N,), T, dtype=torch.long))
     run.log(f"frontier: traces of {N} test samples in {time.perf_counter() - t0:.1f}s; measuring speeds")
