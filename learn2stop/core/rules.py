@@ -190,7 +190,7 @@ class PriceSignal(_LowerStops, _PolicyBased):
             return torch.full((view.index.numel(),), view.num_steps, dtype=torch.long, device=view.index.device)
         log_q = planned_log_q(self.policy, view.inputs, view.output, view.t, view.index.numel(), view.num_steps)
         c = _unit_costs(log_q.shape[1], log_q.dtype, log_q.device)[view.t - 1:]
-        return torch.add(log_q[:, view.t - 1:], c, alpha=threshold).argmax(dim=1) + view.t  # threshold = -price
+        return (log_q[:, view.t - 1:] + threshold * c).argmax(dim=1) + view.t  # threshold = -price
 
     def __call__(self, view: StepView) -> Tensor:
         raise ValueError("the price rule reads a planned q_phi: it needs a planning policy (one with plan_step)")
