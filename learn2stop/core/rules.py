@@ -142,8 +142,10 @@ class QuantileSignal(_PolicyBased, _Stateful):
 
 @functools.lru_cache(maxsize=16)
 def _unit_costs(T: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """c_t = t / T for t = 1..T (made once: at batch 1 each op of the plan costs its dispatch)."""
-    return torch.arange(1, T + 1, dtype=dtype, device=device) / T
+    """c_t = t / T for t = 1..T (made once: at batch 1 each op of the plan costs its dispatch). A normal tensor even
+    when first asked under ``torch.inference_mode``, so that later calls outside it may use it."""
+    with torch.inference_mode(False):
+        return torch.arange(1, T + 1, dtype=dtype, device=device) / T
 
 
 class _LowerStops:
