@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from learn2stop.core.evaluation import measure_speed
 from learn2stop.core.loop import StepView, run_with_early_exit
 from learn2stop.core.pipeline import load_stage, shuffled
 from learn2stop.core.rules import FixedDepth, SignalRule, make_signal
@@ -95,8 +96,9 @@ def main(argv=None) -> dict:
             for name, fn in supports.items():
                 parts[f"planner features, support {name}"] = (lambda f=fn: _with_support(f, planner.extract, y, x))
                 parts[f"the price rule's plan, support {name}"] = (lambda f=fn: _with_support(f, price().plan, view))
-            runs = {f"LISTA-{T}, full depth": (base, lambda: FixedDepth()),
-                    f"stop model, fixed {args.fixed} steps": (model, lambda: FixedDepth(args.fixed))}
+            now = planner_module.support_size
+            runs = {f"LISTA-{T}, full depth": (base, lambda: FixedDepth(), now),
+                    f"stop model, fixed {args.fixed} steps": (model, lambda: FixedDepth(args.fixed), now)}
             for name, fn in supports.items():
                 runs[f"deployed price rule, support {name}"] = (model, price, fn)
             best: dict[str, float] = {}
@@ -104,9 +106,9 @@ def main(argv=None) -> dict:
                 for name, fn in parts.items():
                     v = _timed(fn, inner)
                     best[name] = min(best.get(name, 1e9), v if r else 1e9)
-                for name, (m, rule, *sup) in runs.items():
-                    v = _timed(lambda: _with_support(sup[0] if sup else planner_module.support_size, _rollouts, m, data,
-                                                     bs, rule), 1) / n
+                for name, (m, rule, sup) in runs.items():  # seconds per sample
+                    v = 1 / _with_support(sup, lambda: measure_speed(m, data, rule, bs, repeats=1, max_seconds=60.0,
+                                                                     warmup=r == 0))
                     best[name] = min(best.get(name, 1e9), v if r else 1e9)
             depth = float(run_with_early_exit(model, data, price()).stop_times.float().mean())
         step = best["one LISTA step"]
@@ -129,11 +131,6 @@ def _with_support(fn, call, *a):
         return call(*a)
     finally:
         planner_module.support_size = saved
-
-
-def _rollouts(model, data, bs, rule):
-    for i in range(0, data.shape[0], bs):
-        run_with_early_exit(model, data[i:i + bs], rule())
 
 
 if __name__ == "__main__":

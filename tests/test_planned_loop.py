@@ -202,9 +202,8 @@ def test_speed_samples_are_a_mix_of_a_grouped_test_set():
 
 def test_the_own_cost_run_plans_and_never_stops_early():
     """The frontier times a policy's own cost with its main rule asked as at inference but never stopping early:
-    the price rule at the listed threshold still plans, once per rollout, and runs every sample to T; at +inf it
+    the price rule at its ``asked_never`` threshold still plans, once per rollout, and runs every sample to T; at +inf it
     would skip the plan (and time nothing)."""
-    from learn2stop.core.pipeline import _ASKED_NEVER
     from learn2stop.core.rules import PriceSignal
 
     torch.manual_seed(6)
@@ -213,7 +212,7 @@ def test_the_own_cost_run_plans_and_never_stops_early():
     with torch.no_grad():
         direct.net.weight.mul_(6)
         y = torch.randn(50, 3)
-        asked = run_with_early_exit(model, y, SignalRule(PriceSignal(direct), _ASKED_NEVER["price"]))
+        asked = run_with_early_exit(model, y, SignalRule.never_stopping(PriceSignal(direct)))
         assert direct.calls == 1 and (asked.stop_times == T).all()
         run_with_early_exit(model, y, SignalRule(PriceSignal(direct), math.inf))
         assert direct.calls == 1

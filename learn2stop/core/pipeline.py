@@ -15,7 +15,6 @@ its data, metric and report. The core runs the rest, the same way for every task
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ from .evaluation import (BackendError, Metric, Trace, budget_curve, collect_trac
                          sweep_curve, _point)
 from .loop import run_with_early_exit
 from .model import StoppingModel
-from .trees import tree_cat, tree_leaves, tree_map
+from .trees import tree_cat, tree_leaves, tree_map, tree_select
 from .objectives import MethodConfig, StageConfig
 from .rules import SIGNALS, FixedDepth, SignalRule, first_crossing, make_signal
 from .trainer import StagedTrainer, load_finished_stage
@@ -471,7 +470,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
         # The main rule swept over thresholds on the test trace, as the classical rules are: the like-for-like
         # comparison of the rules' rankings (the budget curve above is what calibration on validation deploys).
         curves["policy_swept"] = sweep_curve(test, metric, test.signals[main], make_signal(main, sm.policy))
-        how["policy_swept"] = (lambda p: (lambda: SignalRule(make_signal(main, sm.policy), p["threshold"])), sm.model)
+        how["policy_swept"] = how["policy"]  # the same rule at other thresholds
     curves["oracle"] = oracle_curve(test, metric)
     full = _point(test, metric, torch.full((N,), T, dtype=torch.long))
     run.log(f"frontier: traces of {N} test samples in {time.perf_counter() - t0:.1f}s; measuring speeds")
@@ -485,8 +484,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
         jobs = [(full, lambda: FixedDepth(), sm.model)]
         asked: dict = {}
         if sm.policy is not None:  # the policy's own cost: its main rule asked as at inference, never stopping early
-            jobs.append((asked, lambda: SignalRule(make_signal(main, sm.policy), _ASKED_NEVER.get(main, math.inf)),
-                         sm.model))
+            jobs.append((asked, lambda: SignalRule.never_stopping(make_signal(main, sm.policy)), sm.model))
         jobs += [(p, how[name][0](p), how[name][1]) for name, pts in curves.items() if name in how for p in pts]
         # Round-robin passes, the best per point: a drift in the machine's load hits every point alike.
         # Only the first pass warms up (and compiles or exports, for such a backend): later ones are warm.
@@ -549,12 +547,7 @@ def shuffled(inputs: Any, seed: int = 0) -> Any:
     one; test sets come grouped (by SNR, noise level, class), and the first ones would be one group (measured on
     sparse: the first 200 are all SNR 20, which the learned rule runs 14.0 steps against 13.4 on the whole set)."""
     order = torch.randperm(tree_leaves(inputs)[0].shape[0], generator=torch.Generator().manual_seed(seed))
-    return tree_map(lambda x: x[order.to(x.device)], inputs)
-
-
-#: the threshold of a policy rule that still asks the policy (or plans) but never stops before T, where +inf skips
-#: the asking: the price rule's plan at an infinite price skips the plan, at the largest float it plans depth T.
-_ASKED_NEVER = {"price": float(torch.finfo(torch.float32).max)}
+    return tree_select(inputs, order.to(tree_leaves(inputs)[0].device))
 
 
 def deployed_rule(app: StoppingApp, cfg: Any, run_dir, sm: StoppingModel, generator=None):

@@ -15,7 +15,6 @@ sample (``view.index``) and reset when a new rollout starts (t = 1).
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable
 
@@ -42,6 +41,9 @@ class StopSignal:
     first_step = 1
     #: a signal that plans: read every step's score at once at this step (see :meth:`plan_scores`).
     plan_step: int | None = None
+    #: a threshold at which the signal is still computed (asked, or planned) as at inference but never stops a
+    #: sample before T: what timing the rule's own cost needs.
+    asked_never: float = math.inf
 
     @staticmethod
     def to_param(threshold: float) -> float:
@@ -140,14 +142,6 @@ class QuantileSignal(_PolicyBased, _Stateful):
         return -log_survival[view.index]
 
 
-@functools.lru_cache(maxsize=16)
-def _unit_costs(T: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """c_t = t / T for t = 1..T (made once: at batch 1 each op of the plan costs its dispatch). A normal tensor even
-    when first asked under ``torch.inference_mode``, so that later calls outside it may use it."""
-    with torch.inference_mode(False):
-        return torch.arange(1, T + 1, dtype=dtype, device=device) / T
-
-
 class _LowerStops:
     """Mixin: the rule stops when a quantity falls below the parameter (score = minus it)."""
 
@@ -172,6 +166,8 @@ class PriceSignal(_LowerStops, _PolicyBased):
     """
 
     name, param_name = "price", "price"
+    #: +inf is the calibrators' "never stop early" and skips the plan; at the largest float it plans depth T.
+    asked_never = float(torch.finfo(torch.float32).max)
 
     @staticmethod
     def scores(stop_logits: Tensor) -> Tensor:
@@ -191,8 +187,9 @@ class PriceSignal(_LowerStops, _PolicyBased):
         if threshold == math.inf:  # the calibrators' "never stop early": no plan needed
             return torch.full((view.index.numel(),), view.num_steps, dtype=torch.long, device=view.index.device)
         log_q = planned_log_q(self.policy, view.inputs, view.output, view.t, view.index.numel(), view.num_steps)
-        c = _unit_costs(log_q.shape[1], log_q.dtype, log_q.device)[view.t - 1:]
-        return (log_q[:, view.t - 1:] + threshold * c).argmax(dim=1) + view.t  # threshold = -price
+        T = log_q.shape[1]
+        c = torch.arange(1, T + 1, dtype=log_q.dtype, device=log_q.device) / T
+        return (log_q[:, view.t - 1:] + threshold * c[view.t - 1:]).argmax(dim=1) + view.t  # threshold = -price
 
     def __call__(self, view: StepView) -> Tensor:
         raise ValueError("the price rule reads a planned q_phi: it needs a planning policy (one with plan_step)")
@@ -313,6 +310,11 @@ class SignalRule:
     @classmethod
     def from_param(cls, signal: StopSignal, param: float) -> "SignalRule":
         return cls(signal, signal.from_param(param))
+
+    @classmethod
+    def never_stopping(cls, signal: StopSignal) -> "SignalRule":
+        """The signal asked (or planned) as at inference, never stopping a sample before T: its own cost."""
+        return cls(signal, signal.asked_never)
 
     def __call__(self, view: StepView) -> Tensor:
         score = self.signal(view)
