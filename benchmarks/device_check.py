@@ -1,7 +1,8 @@
-"""The checks that need a GPU, as one script for a short lease: early exit's speed at batch 256, and a preset the CPU
-cannot afford.
+"""The checks that need a GPU, as one script for a short lease: early exit's speed at batch 256, and the presets the
+CPU cannot afford.
 
     python benchmarks/device_check.py --out OUT --data DATA --vgg RUN --resnet RUN --sparse RUN --seconds 480
+    python benchmarks/device_check.py --unpack FILES_AT --into runs/    # back here: the runs trained there
 
 Each step runs as its own process with its own time limit, so a failing step costs only itself:
 
@@ -11,9 +12,15 @@ Each step runs as its own process with its own time limit, so a failing step cos
 3. ``benchmarks/exit_costs.py --device cuda``: each exit's share of time against its share of FLOPs;
 4. ``sparse frontier --device cuda`` on a trained quick run (batch 1 and 1000);
 5. ``classify reproduce --preset cifar --device cuda`` (VGG16-BN, a few CPU-hours; on an H200 its training took
-   270 s and its frontier more than the 40 s then left), in what time is left.
+   270 s and its frontier more than the 40 s then left), in what time is left;
+6. ``sparse reproduce --preset paper-cpu --device cuda`` (the paper's problem: about 3 CPU-hours on 2 cores, 406 s of
+   training and 45 s of tables on an H200), in what time is left. Its stop model and LISTA baseline come back to
+   be timed where they are deployed: their finished checkpoints, without optimizer state, as ``OUT/<run>.ckpt.partN``
+   (15 MiB parts: a lease returns at most 8 files of 16 MiB). ``--unpack`` rebuilds the run from them and
+   ``results.tar.gz``, ready for ``learn2stop sparse frontier --preset paper-cpu --run-dir <into>/sparse-paper-cpu``.
 
-``--skip`` leaves steps out by name or prefix (``--skip pytest,frontier,exit-costs`` runs only the cifar preset).
+``--skip`` leaves steps out by name or prefix (``--skip pytest,frontier,exit-costs,reproduce-sparse`` runs only the
+cifar preset, ``--skip pytest,frontier,exit-costs,reproduce-cifar`` only the sparse one).
 
 Run folders are copied into ``--work`` before use (a frontier writes into its run). ``OUT`` gets ``log.txt`` and
 ``results.tar.gz`` (each step's frontier.md / .json, tables, plots and logs; no checkpoints).
@@ -21,6 +28,7 @@ Run folders are copied into ``--work`` before use (a frontier writes into its ru
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import shutil
 import subprocess
@@ -29,13 +37,62 @@ import tarfile
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from learn2stop.utils.checkpoint import load_checkpoint  # noqa: E402
+
+#: the largest file a lease returns is 16 MiB
+PART_BYTES = 15 * 2**20
+
+
+def pack_checkpoints(run: Path, stages: list[str], dest: Path, part_bytes: int = PART_BYTES) -> list[Path]:
+    """The finished ``stages`` of ``run`` as one tar without optimizer state, in parts of at most ``part_bytes``
+    named ``<dest>.partN``. An unfinished or missing stage is left out (said in the returned names' absence)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for stage in stages:
+            path = run / "checkpoints" / f"{stage}.pt"
+            if not path.is_file() or not (ck := load_checkpoint(path)).get("completed"):
+                continue
+            ck.pop("optimizer", None)  # the weights are what a frontier needs; a resume here would retrain anyway
+            data = io.BytesIO()
+            torch.save(ck, data)
+            info = tarfile.TarInfo(f"checkpoints/{stage}.pt")
+            info.size = data.getbuffer().nbytes
+            data.seek(0)
+            tar.addfile(info, data)
+    blob = buf.getvalue()
+    parts = []
+    for i, start in enumerate(range(0, len(blob), part_bytes)):
+        parts.append(dest.with_name(f"{dest.name}.part{i}"))
+        parts[-1].write_bytes(blob[start:start + part_bytes])
+    return parts
+
+
+def unpack(files_at: Path, into: Path) -> list[Path]:
+    """Rebuild the runs of a device check under ``into``: the small files from ``results.tar.gz``, the packed
+    checkpoints from ``<run>.ckpt.partN``. Returns the run folders that got checkpoints."""
+    into.mkdir(parents=True, exist_ok=True)
+    archive = files_at / "results.tar.gz"
+    if archive.is_file():
+        with tarfile.open(archive) as tar:
+            tar.extractall(into, filter="data")
+    runs = []
+    for first in sorted(files_at.glob("*.ckpt.part0")):
+        name = first.name[: -len(".ckpt.part0")]
+        parts = sorted(files_at.glob(f"{name}.ckpt.part*"), key=lambda p: int(p.name.rsplit("part", 1)[1]))
+        with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts))) as tar:
+            tar.extractall(into / name, filter="data")
+        runs.append(into / name)
+    return runs
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="folder for log.txt and results.tar.gz")
-    ap.add_argument("--data", required=True, help="the CIFAR-10 subset's folder")
+    ap.add_argument("--out", help="folder for log.txt and results.tar.gz")
+    ap.add_argument("--data", help="the CIFAR-10 subset's folder")
     ap.add_argument("--vgg", default="", help="a finished classify quick run (VGG)")
     ap.add_argument("--resnet", default="", help="a finished classify quick run with --model.arch resnet20")
     ap.add_argument("--sparse", default="", help="a finished sparse quick run")
@@ -43,7 +100,15 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--work", default="/tmp/learn2stop-device-check", help="scratch folder for the runs")
     ap.add_argument("--skip", default="", help="comma-separated step names or prefixes to leave out (e.g. pytest,frontier)")
+    ap.add_argument("--unpack", metavar="FILES_AT", help="rebuild the runs a device check brought back (with --into)")
+    ap.add_argument("--into", default="runs", help="where --unpack puts the runs")
     args = ap.parse_args(argv)
+    if args.unpack:
+        for run in unpack(Path(args.unpack), Path(args.into)):
+            print(f"{run}: {', '.join(sorted(p.name for p in (run / 'checkpoints').iterdir()))}")
+        return 0
+    if not (args.out and args.data):
+        ap.error("--out and --data are required (unless --unpack)")
     out = Path(args.out)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -114,6 +179,11 @@ def main(argv=None) -> int:
     # reproduce ends with the frontier (every rule's speed at batch 1 and 256, as above)
     step("reproduce-cifar", cli("classify", "reproduce", "--preset", "cifar", "--run-dir", str(work / "classify-cifar"),
                                 "--data.path", args.data, patch=gpu_speed), 10_000)
+    sparse_paper = work / "sparse-paper-cpu"
+    if step("reproduce-sparse-paper", cli("sparse", "reproduce", "--preset", "paper-cpu", "--run-dir", str(sparse_paper)),
+            10_000) or (sparse_paper / "checkpoints").is_dir():
+        parts = pack_checkpoints(sparse_paper, ["baseline", "stage2"], out / "sparse-paper-cpu.ckpt")
+        say(f"packed the finished baseline and stage2 of {sparse_paper.name} in {len(parts)} parts")
     with tarfile.open(out / "results.tar.gz", "w:gz") as tar:  # the small files: no checkpoints
         for p in sorted(work.rglob("*")):
             if p.is_file() and p.suffix in (".md", ".json", ".log", ".jsonl", ".yaml", ".png"):

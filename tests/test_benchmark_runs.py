@@ -90,3 +90,34 @@ def test_sparse_planner_cost_tiny(capsys):
         assert {"one LISTA step", "planner features, support 0-norm (before)", "deployed price rule, support sign-sum (now)",
                 "stop model, fixed 3 steps", "LISTA-4, full depth"} <= set(best) and all(v > 0 for v in best.values())
     assert "| in LISTA steps |" in capsys.readouterr().out
+
+
+def test_device_check_pack_and_unpack(tmp_path):
+    """A run trained on the device comes back in parts and is rebuilt here: finished stages without optimizer
+    state, the run's small files beside them; an unfinished stage stays behind."""
+    import tarfile
+
+    import torch
+
+    from learn2stop.utils.checkpoint import load_checkpoint, save_checkpoint
+
+    dc = _load("device_check")
+    run = tmp_path / "work" / "sparse-paper-cpu"
+    w = {"model.W": torch.randn(40, 30, generator=torch.Generator().manual_seed(0))}
+    save_checkpoint({"stage": "baseline", "completed": True, "weights": w, "optimizer": {"state": {}}}, run / "checkpoints" / "baseline.pt")
+    save_checkpoint({"stage": "stage2", "completed": True, "weights": {k: v * 2 for k, v in w.items()}}, run / "checkpoints" / "stage2.pt")
+    save_checkpoint({"stage": "stage1", "completed": False, "weights": w}, run / "checkpoints" / "stage1.pt")
+    (run / "fingerprint.json").write_text("{}")
+    out = tmp_path / "out"
+    out.mkdir()
+    parts = dc.pack_checkpoints(run, ["baseline", "stage1", "stage2"], out / "sparse-paper-cpu.ckpt", part_bytes=2000)
+    assert len(parts) > 3 and all(p.stat().st_size <= 2000 for p in parts)
+    with tarfile.open(out / "results.tar.gz", "w:gz") as tar:
+        tar.add(run / "fingerprint.json", arcname="sparse-paper-cpu/fingerprint.json")
+    (runs,) = dc.unpack(out, tmp_path / "back")
+    assert sorted(p.name for p in (runs / "checkpoints").iterdir()) == ["baseline.pt", "stage2.pt"]
+    assert (runs / "fingerprint.json").is_file()
+    base, stop = (load_checkpoint(runs / "checkpoints" / f"{s}.pt") for s in ("baseline", "stage2"))
+    assert "optimizer" not in base and base["completed"] and torch.equal(base["weights"]["model.W"], w["model.W"])
+    assert torch.equal(stop["weights"]["model.W"], 2 * w["model.W"])
+    assert dc.main(["--unpack", str(out), "--into", str(tmp_path / "again")]) == 0
