@@ -121,3 +121,12 @@ def test_device_check_pack_and_unpack(tmp_path):
     assert "optimizer" not in base and base["completed"] and torch.equal(base["weights"]["model.W"], w["model.W"])
     assert torch.equal(stop["weights"]["model.W"], 2 * w["model.W"])
     assert dc.main(["--unpack", str(out), "--into", str(tmp_path / "again")]) == 0
+
+
+def test_sparse_replan_probe_tiny(capsys):
+    """The offline re-plan probe fits its second head and prints every curve."""
+    table = _load("sparse_replan_probe").main(["--tiny", "--threads", "1"])
+    assert {"policy (one plan)", "tolerance", "fixed depth"} <= set(table)
+    assert any(k.startswith("second plan at step 4") for k in table)
+    assert all(v is not None for v in table["fixed depth"].values())
+    assert "| curve |" in capsys.readouterr().out
