@@ -18,7 +18,12 @@ first plan's log q as an input. Features at s2 (``--features``):
 
 - ``full``: the planner's own eight statistics of x_s2 (two products with A, about 2/3 of a LISTA step);
 - ``cheap``: no product with A: log ||x||_1, log ||x||_2 and the support fraction of x_s2, the log size and
-  log relative size of its last move ||x_s2 - x_(s2-1)|| (the tolerance test's signal), log ||y||.
+  log relative size of its last move ||x_s2 - x_(s2-1)|| (the tolerance test's signal), log ||y||;
+- ``cheap-nomove``: ``cheap`` without the last move.
+
+``--no-first-plan`` leaves the first plan's log q out of the second head's input (a stateless second head);
+``--replan-step`` equal to the plan step refits the first plan on the same information (what a better fit alone
+gives).
 
 Every curve is swept on the test set (like the frontier's ``policy_swept``); NMSE in dB, interpolated at a share
 of the steps. Nothing here is timed: the probe says what a second plan buys on the step axis, not its price.
@@ -40,12 +45,14 @@ from learn2stop.tasks.sparse.problem import ProblemConfig, fixed_set, make_matri
 from learn2stop.utils.config import from_dict, load_yaml
 
 
-def cheap_features(y: Tensor, x: Tensor, x_prev: Tensor) -> Tensor:
-    """(B, 6) statistics of the state at the re-plan step that need no product with A."""
-    move = (x - x_prev).norm(dim=1)
+def cheap_features(y: Tensor, x: Tensor, x_prev: Tensor, move: bool = True) -> Tensor:
+    """(B, 6) statistics of the state at the re-plan step that need no product with A ((B, 4) without the move)."""
     size = x.norm(dim=1)
-    return torch.stack([x.abs().sum(1).add(1e-6).log(), size.add(1e-6).log(), (x != 0).float().mean(1),
-                        move.add(1e-9).log(), (move / (size + 1e-9)).add(1e-9).log(), y.norm(dim=1).log()], dim=1)
+    cols = [x.abs().sum(1).add(1e-6).log(), size.add(1e-6).log(), (x != 0).float().mean(1), y.norm(dim=1).log()]
+    if move:
+        step = (x - x_prev).norm(dim=1)
+        cols += [step.add(1e-9).log(), (step / (size + 1e-9)).add(1e-9).log()]
+    return torch.stack(cols, dim=1)
 
 
 @torch.no_grad()
@@ -58,19 +65,25 @@ def rollout(model, planner, y: Tensor, x_true: Tensor, s2: int, features: str) -
         x = model.step(t, x, y)
         xs.append(x)
     xs = torch.stack(xs, dim=1)  # (B, T, n)
-    f2 = planner.extract(y, xs[:, s2 - 1]) if features == "full" else cheap_features(y, xs[:, s2 - 1], xs[:, s2 - 2])
+    f2 = (planner.extract(y, xs[:, s2 - 1]) if features == "full"
+          else cheap_features(y, xs[:, s2 - 1], xs[:, s2 - 2], move=features == "cheap"))
     return {"errors": (xs - x_true[:, None]).pow(2).sum(2), "log_q1": planner.plan_log_q(y, xs[:, s1 - 1], s1),
             "f2": f2, "tolerance": (xs[:, 1:] - xs[:, :-1]).norm(dim=2) / (xs[:, 1:].norm(dim=2) + 1e-12)}
 
 
 def fit_second_plan(train: dict[str, Tensor], s2: int, beta: float, log_prior: Tensor, iterations: int, hidden: int,
-                    generator: torch.Generator) -> nn.Module:
+                    generator: torch.Generator, first_plan: bool = True) -> nn.Module:
     """The second head: (features at s2, first plan's log q) -> log q2 over steps s2..T, by forward KL to q*."""
     T = train["errors"].shape[1]
     target = torch.log_softmax(log_oracle_distribution(train["errors"], beta, log_prior)[:, s2 - 1:], dim=1).exp()
     f = train["f2"]
     mean, std = f.mean(0), f.std(0) + 1e-6
-    inputs = torch.cat([(f - mean) / std, train["log_q1"]], dim=1)
+
+    def features(data: dict[str, Tensor]) -> Tensor:
+        x = (data["f2"] - mean) / std
+        return torch.cat([x, data["log_q1"]], dim=1) if first_plan else x
+
+    inputs = features(train)
     net = nn.Sequential(nn.Linear(inputs.shape[1], hidden), nn.ELU(), nn.Linear(hidden, hidden), nn.ELU(),
                         nn.Linear(hidden, T - s2 + 1))
     opt = torch.optim.Adam(net.parameters(), lr=3e-3)
@@ -84,7 +97,7 @@ def fit_second_plan(train: dict[str, Tensor], s2: int, beta: float, log_prior: T
 
     def head(data: dict[str, Tensor]) -> Tensor:
         with torch.no_grad():
-            return torch.log_softmax(net(torch.cat([(data["f2"] - mean) / std, data["log_q1"]], dim=1)), dim=1)
+            return torch.log_softmax(net(features(data)), dim=1)
     return head
 
 
@@ -101,7 +114,8 @@ def main(argv=None) -> dict[str, dict[float, float | None]]:
     ap.add_argument("--run-dir", help="a trained sparse run with a planning policy (stage2)")
     ap.add_argument("--tiny", action="store_true", help="a 6-step random model on a 20x40 problem (smoke run)")
     ap.add_argument("--replan-step", type=int, default=10)
-    ap.add_argument("--features", choices=("full", "cheap"), default="cheap")
+    ap.add_argument("--features", choices=("full", "cheap", "cheap-nomove"), default="cheap")
+    ap.add_argument("--no-first-plan", action="store_true", help="the second head without the first plan's log q")
     ap.add_argument("--train-problems", type=int, default=40_000)
     ap.add_argument("--iterations", type=int, default=3000)
     ap.add_argument("--hidden", type=int, default=64)
@@ -130,8 +144,9 @@ def main(argv=None) -> dict[str, dict[float, float | None]]:
         A = make_matrix(problem)
         beta, price = cfg.method.beta, cfg.method.price
     T, s1, s2 = model.num_steps, planner.plan_step, args.replan_step
-    if not s1 < s2 < T:
-        raise SystemExit(f"--replan-step must be after the plan step {s1} and before the last step {T}; got {s2}")
+    if not (s1 <= s2 < T and s2 >= 2):
+        raise SystemExit(f"--replan-step must be at or after the plan step {s1}, from 2, and before the last step {T}; "
+                         f"got {s2}")
     costs = torch.arange(1, T + 1) / T
     log_prior = log_cost_prior(costs, price, beta)
     g = torch.Generator().manual_seed(123)
@@ -139,7 +154,7 @@ def main(argv=None) -> dict[str, dict[float, float | None]]:
               for _ in range(max(1, args.train_problems // 2000))]
     parts = [rollout(model, planner, b.y, b.x, s2, args.features) for b in chunks]
     train = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-    head = fit_second_plan(train, s2, beta, log_prior, args.iterations, args.hidden, g)
+    head = fit_second_plan(train, s2, beta, log_prior, args.iterations, args.hidden, g, not args.no_first_plan)
     test_set = fixed_set(A, problem, problem.test_per_snr, problem.test_seed)
     test = rollout(model, planner, test_set.y, test_set.x, s2, args.features)
     log_q2 = head(test)
@@ -164,7 +179,8 @@ def main(argv=None) -> dict[str, dict[float, float | None]]:
 
     prices, tols = torch.linspace(-2, 40, 800).tolist(), torch.logspace(-4, 0, 600).tolist()
     curves = {"policy (one plan)": curve(first_plan, prices),
-              f"second plan at step {s2} ({args.features})": curve(replanned, prices),
+              f"second plan at step {s2} ({args.features}{', no first plan' if args.no_first_plan else ''})":
+                  curve(replanned, prices),
               "tolerance": curve(tolerance, tols),
               "fixed depth": [(t, nmse(torch.full((len(test_set),), t))) for t in range(1, T + 1)]}
     shares = (0.5, 0.6, 0.7, 0.8, 0.9)
