@@ -115,6 +115,9 @@ def _schedule(spec: dict, policy: Any, T: int) -> dict:
         if policy is None:
             raise ExportError(f"rule {name!r} needs a stopping policy, but the model has none")
         plan = _plan_step(policy)
+        if plan is not None and member(policy, "replan_step") is not None:
+            raise ExportError(f"this policy plans again at step {member(policy, 'replan_step')} (replan_step); export "
+                              "writes one plan: train it with replan_step 0 to export it")
         if plan is not None:
             if isinstance(plan, bool) or not isinstance(plan, int) or not 1 <= plan <= T - 1:
                 raise ExportError(f"policy.plan_step must be an integer in 1..{T - 1}; got {plan!r}")

@@ -35,8 +35,11 @@ CALIBRATION_FILE = "calibration.json"
 
 
 def policy_rules(policy) -> tuple[str, ...]:
-    """The policy rules a policy supports: all of them for a planning policy, else all but the price rule."""
+    """The policy rules a policy supports: all of them for a planning policy, all but the price rule for a
+    per-step one, and the price rule alone for one that plans twice (``replan_step``)."""
     plans = member(policy, "plan_step") is not None
+    if plans and member(policy, "replan_step") is not None:
+        return PLANNING_RULES
     return tuple(r for r in POLICY_RULES if plans or r not in PLANNING_RULES)
 
 

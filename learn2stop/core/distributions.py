@@ -77,6 +77,40 @@ def stop_logits_from_distribution(log_q: Tensor) -> Tensor:
     return log_q[:, :-1] - tail[:, 1:]
 
 
+def replanned_log_q(log_q1: Tensor, log_q2: Tensor, replan_step: int) -> Tensor:
+    """log q_phi of a plan revised once: the first plan's q1 up to step s-1, and its mass from step s on
+    spread by the second plan q2 (made at step s, from what the run has shown by then).
+
+        q(t) = q1(t) for t < s,    q(t) = q1(>= s) * q2(t | >= s) for t >= s
+
+    The forward KL of this q to q* splits into the first plan's terms before s (and its total mass from s on)
+    and q*(>= s) times the KL of the oracle conditioned on t >= s to q2; Stage II fits the second plan by that
+    last term (:func:`~learn2stop.core.losses.stage2_replan_forward_kl`) and the first plan by its own KL, whole,
+    since its re-priced argmax decides who leaves before s.
+
+    Args:
+        log_q1: (B, T) log q of the first plan (normalised).
+        log_q2: (B, T) log q of the second plan; only steps s..T are read (renormalised on them).
+        replan_step: s, 1-based, in 2..T.
+    Returns:
+        (B, T) log-probabilities; exp() of each row sums to 1.
+
+    Example:
+        >>> q = replanned_log_q(torch.full((1, 4), 0.25).log(), torch.tensor([[0., 0., 1., 3.]]).log(), 3).exp()
+        >>> [round(v, 4) for v in q[0].tolist()]
+        [0.25, 0.25, 0.125, 0.375]
+    """
+    if log_q1.dim() != 2 or log_q1.shape != log_q2.shape:
+        raise ValueError(f"log_q1 and log_q2 must have the same shape (B, T); got {tuple(log_q1.shape)} and "
+                         f"{tuple(log_q2.shape)}")
+    T = log_q1.shape[1]
+    if isinstance(replan_step, bool) or not isinstance(replan_step, int) or not 2 <= replan_step <= T:
+        raise ValueError(f"replan_step must be an integer in 2..{T}; got {replan_step!r}")
+    k = replan_step - 1
+    late = torch.logsumexp(log_q1[:, k:], dim=1, keepdim=True)  # (B, 1) log q1(>= s)
+    return torch.cat([log_q1[:, :k], late + torch.log_softmax(log_q2[:, k:], dim=1)], dim=1)
+
+
 def stop_time_distribution(stop_probs: Tensor) -> Tensor:
     """q_phi(t) from stop probabilities pi_1..pi_{T-1} in [0, 1] (paper Eq. 3), as a product.
 

@@ -16,7 +16,8 @@ paper Eq. 2). A policy may set ``min_step``: before that step it is not called a
 which saves its cost where it would never stop. A *planning* policy sets ``plan_step`` instead: it is
 called once, at that step, and returns the (B, T-1) stop logits of every step (its whole q_phi), so the
 loop can sort the batch by planned depth once and run shrinking contiguous slices
-without deciding again. A *stop rule* fills the stopping slot of :func:`run_with_early_exit`: a fixed depth,
+without deciding again. A planning policy may also set ``replan_step``: the samples still running there
+are planned once more, from what the run has shown by then, and sorted again. A *stop rule* fills the stopping slot of :func:`run_with_early_exit`: a fixed depth,
 a tolerance on the change of the output, or the learned policy (thresholded or sampled) all fit; they live
 in :mod:`learn2stop.core.rules`, the batch-tree helpers in :mod:`learn2stop.core.trees`, and
 :class:`~learn2stop.core.model.StoppingModel`, which users hold, on top of all three.
@@ -56,9 +57,13 @@ def first_ask(rule: Any) -> int:
 #: - ``plan_step`` (policy or rule): it plans every step's stop at once, at this step; absent: per step;
 #: - ``plan_log_q`` (planning policy): ``plan_log_q(inputs, output, t) -> (B, T)`` log q_phi, what its stop
 #:   logits are made from, read directly by rules that want the plan (the price rule); absent: from the logits;
+#: - ``replan_step`` (planning policy or rule): it revises the plan of the samples still running, once, at
+#:   this later step; absent: one plan. A policy that sets it has ``replan_log_q(inputs, output, previous_output,
+#:   t) -> (B, T)`` log q_phi of steps t..T given the run so far (its q_phi is then
+#:   :func:`~learn2stop.core.distributions.replanned_log_q` of the two plans), a rule ``replan(view) -> (B,)``;
 #: - ``first_step`` (rule): the first step the loop asks it at (2 for a tolerance test); absent: 1.
 OPTIONAL_MEMBERS: dict[str, Any] = {"exit_costs": None, "min_step": 1, "plan_step": None, "plan_log_q": None,
-                                    "first_step": 1}
+                                    "replan_step": None, "first_step": 1}
 
 
 def member(obj: Any, name: str) -> Any:
@@ -116,7 +121,10 @@ class Rollout:
         stop_times: (B,) 1-based step at which each sample stopped; T for a full-depth run.
         step_outputs: for a full unroll with ``keep_outputs``: T trees, the output at each step.
         losses: (B, T) per-step losses when a target and loss were given to a full unroll.
-        stop_logits: (B, T-1) policy logits at steps 1..T-1 in a full unroll; None without policy.
+        stop_logits: (B, T-1) policy logits at steps 1..T-1 in a full unroll; None without policy. For a
+            policy that plans twice, those of its first plan.
+        replan_log_q: (B, T) a re-planning policy's second plan in a full unroll (log q_phi of steps
+            ``replan_step``..T given the run so far); None otherwise.
     """
 
     outputs: Any
@@ -126,6 +134,7 @@ class Rollout:
     losses: Tensor | None = None
     stop_logits: Tensor | None = None
     extras: dict = field(default_factory=dict)
+    replan_log_q: Tensor | None = None
 
     @property
     def steps_computed(self) -> int:
@@ -171,7 +180,9 @@ def unroll(
     B = batch_size(inputs)
     losses, logits, outs = [], [], []
     plan_at = member(policy, "plan_step")
-    planned = None
+    replan_at = member(policy, "replan_step") if plan_at is not None else None
+    check_replan_step(plan_at, replan_at, T)
+    planned = replanned = previous = None
     with torch.set_grad_enabled(model_grad and torch.is_grad_enabled()):
         state = _first(model.initial_state, model, inputs)
     output = None
@@ -189,6 +200,11 @@ def unroll(
                 logits.append(_policy_logits(policy, inputs, seen, t, B))
             else:
                 planned = planned_logits(policy, inputs, seen, t, B, T)
+        if replan_at is not None and t in (replan_at - 1, replan_at):
+            seen = output if model_grad else tree_detach(output)
+            if t == replan_at:
+                replanned = replan_log_q(policy, inputs, seen, previous, t, B, T)
+            previous = seen
         if keep_outputs:
             outs.append(output)
     device = tree_leaves(output)[0].device if tree_leaves(output) else None
@@ -200,6 +216,7 @@ def unroll(
         losses=torch.stack(losses, dim=1) if losses else None,
         stop_logits=None if policy is None else planned if planned is not None else
         torch.stack(logits, dim=1) if logits else torch.full((B, T - 1), NEVER_STOP_LOGIT, device=device),
+        replan_log_q=replanned,
     )
 
 
@@ -241,6 +258,8 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
     T = model.num_steps
     B = batch_size(inputs)
     plan_step = member(rule, "plan_step")
+    replan_step = member(rule, "replan_step") if plan_step is not None else None
+    check_replan_step(plan_step, replan_step, T)
     first = first_ask(rule)
     state = _first(model.initial_state, model, inputs)
     device = tree_leaves(state)[0].device if tree_leaves(state) else tree_leaves(inputs)[0].device
@@ -260,11 +279,13 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
         if t < T:
             stop_times[idx] = t
 
-    def plan(t: int, output: Any) -> Any:
-        """Ask a planning rule once; sort the running rows by planned depth (the output too, if any)."""
+    def plan(t: int, output: Any, previous: Any = None, again: bool = False) -> Any:
+        """Ask a planning rule (``again``: for its second plan); sort the running rows by planned depth (the
+        output too, if any)."""
         nonlocal remaining, active, state, inputs
         n = active.numel()
-        times = rule.plan(StepView(t, T, inputs, output, None, state, active)).clamp(max(t, 1), T)
+        view = StepView(t, T, inputs, output, previous, state, active)
+        times = (rule.replan(view) if again else rule.plan(view)).clamp(max(t, 1), T)
         remaining = [0] * (T + 1)
         if n == 1:  # a single sample: its depth is all there is to know (one sync, nothing to sort)
             depth = int(times)
@@ -284,6 +305,8 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
         if remaining is not None and remaining[t - 1] < active.numel():  # planned mode: keep the leading rows
             keep = slice(0, remaining[t - 1])
             active, state, inputs = active[keep], tree_select(state, keep), tree_select(inputs, keep)
+            if previous is not None:
+                previous = tree_select(previous, keep)
         state, output = _step(model, t, state, inputs)
         if t == T:
             finish(slice(None), output, T)
@@ -296,6 +319,20 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
                 finish(slice(left, n), output, t)
                 if left == 0:
                     break
+            if t == replan_step:  # the rows still running are planned again (and sorted), from the run so far
+                if left < n:
+                    keep = slice(0, left)
+                    active, state, inputs = active[keep], tree_select(state, keep), tree_select(inputs, keep)
+                    output, previous = tree_select(output, keep), tree_select(previous, keep)
+                output = plan(t, output, previous, again=True)
+                previous = None
+                n, left = active.numel(), remaining[t]
+                if left < n:
+                    finish(slice(left, n), output, t)
+                    if left == 0:
+                        break
+            elif replan_step is not None and t == replan_step - 1:
+                previous = output
             continue
         if t < first:
             previous = output
@@ -451,6 +488,33 @@ def planned_log_q(policy: nn.Module, inputs: Any, output: Any, t: int, B: int, T
     if not bool(torch.isfinite(log_q[:, t - 1:]).all()):
         raise ValueError(f"the planning policy returned NaN or inf log q_phi at its plan step {t}")
     return log_q.float()
+
+
+def check_replan_step(plan_step: int | None, replan_step: int | None, T: int) -> None:
+    """A second plan comes after the first and before the last step."""
+    if replan_step is None:
+        return
+    if plan_step is None or isinstance(replan_step, bool) or not isinstance(replan_step, int) \
+            or not plan_step < replan_step < T:
+        raise ValueError(f"replan_step must be an integer after the plan step ({plan_step}) and before the last step "
+                         f"({T}); got {replan_step!r}")
+
+
+def replan_log_q(policy: nn.Module, inputs: Any, output: Any, previous: Any, t: int, B: int, T: int) -> Tensor:
+    """A re-planning policy's second plan at t = ``replan_step``: (B, T) log q_phi, renormalised on steps t..T
+    and very unlikely (finite, so that differences stay defined) before them."""
+    log_q = policy.replan_log_q(inputs, output, previous, t)
+    if log_q.shape != (B, T):
+        raise ValueError(f"a planning policy's replan_log_q (replan_step={t}) must return log q_phi of steps 1..T, "
+                         f"shape ({B}, {T}); got {tuple(log_q.shape)}")
+    late = log_q[:, t - 1:].float()
+    if not bool(torch.isfinite(late).all()):
+        raise ValueError(f"the planning policy returned NaN or inf log q_phi at its replan step {t}")
+    return torch.cat([late.new_full((B, t - 1), REPLAN_PAST_LOG_Q), torch.log_softmax(late, dim=1)], dim=1)
+
+
+#: log q of the steps a second plan cannot choose any more (before it): finite, so that ratios of log q stay defined.
+REPLAN_PAST_LOG_Q = -1e4
 
 
 def planned_logits(policy: nn.Module, inputs: Any, output: Any, t: int, B: int, T: int) -> Tensor:

@@ -129,6 +129,25 @@ def _stage2_logs(stop_logits: Tensor, losses: Tensor, beta: float, log_prior: Te
     return log_oracle_distribution(losses.detach(), beta, log_prior), log_stop_time_distribution(stop_logits)
 
 
+def stage2_replan_forward_kl(
+    replan_log_q: Tensor, losses: Tensor, beta: float, replan_step: int, log_prior: Tensor | None = None,
+    reduction: str = "mean"
+) -> Tensor:
+    """q*(>= s) KL(q*(. | >= s) || q2): a second plan, made at step s for the samples still running, fitted to the
+    oracle conditioned on stopping at s or later, weighted by the oracle's mass there. With the first plan's own
+    forward KL it is the forward KL of the two plans combined (:func:`~learn2stop.core.distributions.replanned_log_q`)
+    but for the first plan's shape after s, which the first plan keeps fitting (its re-priced argmax decides who
+    leaves before s)."""
+    if replan_log_q.shape != losses.shape:
+        raise ValueError(f"replan_log_q must have the shape of the per-step losses {tuple(losses.shape)}; "
+                         f"got {tuple(replan_log_q.shape)}")
+    k = replan_step - 1
+    log_p = log_oracle_distribution(losses.detach(), beta, log_prior)
+    late = log_p[:, k:]
+    cond_p, cond_q = torch.log_softmax(late, dim=1), torch.log_softmax(replan_log_q[:, k:], dim=1)
+    return _reduce(torch.logsumexp(late, dim=1).exp() * (cond_p.exp() * (cond_p - cond_q)).sum(dim=1), reduction)
+
+
 def stage2_cross_entropy(
     stop_logits: Tensor, losses: Tensor, beta: float, log_prior: Tensor | None = None, reduction: str = "mean"
 ) -> Tensor:

@@ -302,6 +302,8 @@ def stage2(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfig, generat
         loss = L.stage2_map_loss(r.stop_logits, r.losses, prior)
     else:
         loss = L.stage2_reverse_kl(r.stop_logits, r.losses, cfg.beta, prior)
+    if r.replan_log_q is not None:  # a second plan: fitted to the oracle of the steps it chooses among
+        loss = loss + L.stage2_replan_forward_kl(r.replan_log_q, r.losses, cfg.beta, sm.policy.replan_step, prior)
     return loss, _summary(r.losses, r.stop_logits.detach(), cfg.beta)
 
 

@@ -195,15 +195,28 @@ class MinStep:
         self.min_step = int(state["min_step"])
 
 
-def min_step_hook(min_mass: Callable[[Any], float], cap: bool = False) -> Callable:
+def min_step_hook(min_mass: Callable[[Any], float], cap: bool = False,
+                  replan_mass: Callable[[Any], float] | None = None) -> Callable:
     """A stage's ``before`` hook that sets the stop model's ``policy.min_step`` by :func:`oracle_min_step` from
-    the config's ``min_mass(cfg)`` (``cap``: at most T - 1, so that the policy is asked at least once)."""
+    the config's ``min_mass(cfg)`` (``cap``: at most T - 1, so that the policy is asked at least once), and, for a
+    planning policy that can plan twice, its ``replan_step``: the first step before which the validation oracle
+    holds ``replan_mass(cfg)`` of its mass (0: one plan), after the plan step and before T."""
     def hook(models, app, cfg, run: Run):
         sm = models["stop"]
-        sm.policy.min_step = oracle_min_step(sm, app.training_task(cfg, "stop", sm), app.method(cfg), min_mass(cfg),
-                                             run.device, last=sm.num_steps - 1 if cap else None)
+        task = app.training_task(cfg, "stop", sm)
+        sm.policy.min_step = oracle_min_step(sm, task, app.method(cfg), min_mass(cfg), run.device,
+                                             last=sm.num_steps - 1 if cap else None)
         if sm.policy.min_step > 1:
             run.log(f"      policy asked from step {sm.policy.min_step} (oracle mass below {min_mass(cfg)} before it)")
+        again = replan_mass(cfg) if replan_mass is not None else 0.0
+        if again > 0:
+            mass = oracle_step_mass(sm, task, app.method(cfg), run.device)
+            before = torch.cat([mass.new_zeros(1), mass.cumsum(0)[:-1]])  # before[t - 1]: the mass of steps < t
+            late = [t for t in range(sm.policy.min_step + 1, sm.num_steps) if float(before[t - 1]) >= again]
+            sm.policy.replan_step = late[0] if late else None
+            run.log(f"      planned again at step {late[0]} (oracle mass {float(before[late[0] - 1]):.2f} before it)"
+                    if late else f"      no second plan: no step after {sm.policy.min_step} and before "
+                    f"{sm.num_steps} has oracle mass {again} before it")
     return hook
 
 
@@ -215,10 +228,18 @@ def oracle_min_step(sm: StoppingModel, task: Any, method: MethodConfig, min_mass
     not even asked there: an explicit, reported minimum depth (the release applies the same cut silently).
     ``last`` caps the result (e.g. T - 1 so that the policy is asked at least once).
     """
-    from .distributions import log_oracle_distribution
-
     if min_mass <= 0:
         return 1
+    above = (oracle_step_mass(sm, task, method, device) > min_mass).nonzero()
+    first = int(above[0]) + 1 if above.numel() else sm.num_steps
+    return min(first, last) if last is not None else first
+
+
+@torch.no_grad()
+def oracle_step_mass(sm: StoppingModel, task: Any, method: MethodConfig, device) -> torch.Tensor:
+    """(T,) the mean validation oracle mass q*(t) of each step, with the method's prior and price."""
+    from .distributions import log_oracle_distribution
+
     sm.eval()
     prior = StageConfig(objective="stage2").inherit(method).model_log_prior(sm.model, device)
     mass, n = torch.zeros(sm.num_steps, device=device), 0
@@ -226,9 +247,7 @@ def oracle_min_step(sm: StoppingModel, task: Any, method: MethodConfig, min_mass
         r = sm.unroll(inputs, target, task.loss_fn, use_policy=False)
         mass += log_oracle_distribution(r.losses, method.beta, prior).exp().sum(0)
         n += r.losses.shape[0]
-    above = (mass / n > min_mass).nonzero()
-    first = int(above[0]) + 1 if above.numel() else sm.num_steps
-    return min(first, last) if last is not None else first
+    return mass / n
 
 
 def _trainer(app: StoppingApp, cfg, run: Run, key: str, sm: StoppingModel) -> StagedTrainer:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .loop import StepView, _policy_logits, member, planned_log_q, planned_logits
+from .loop import StepView, _policy_logits, member, planned_log_q, planned_logits, replan_log_q
 from .trees import tree_leaves
 
 
@@ -41,6 +41,8 @@ class StopSignal:
     first_step = 1
     #: a signal that plans: read every step's score at once at this step (see :meth:`plan_scores`).
     plan_step: int | None = None
+    #: a planning signal that plans the running samples again at this later step (see :meth:`replan_scores`).
+    replan_step: int | None = None
     #: a threshold at which the signal is still computed (asked, or planned) as at inference but never stops a
     #: sample before T: what timing the rule's own cost needs.
     asked_never: float = math.inf
@@ -85,6 +87,10 @@ class _PolicyBased(StopSignal):
         self.policy = policy
         self.plan_step = member(policy, "plan_step")
         self.first_step = self.plan_step if self.plan_step is not None else int(member(policy, "min_step"))
+        self.replan_step = member(policy, "replan_step") if self.plan_step is not None else None
+        if self.replan_step is not None and not callable(getattr(self, "replan_times", None)):
+            raise ValueError(f"the {self.name!r} rule reads one plan, and this policy plans again at step "
+                             f"{self.replan_step} (replan_step): use the price rule")
 
     def plan_scores(self, view: StepView) -> Tensor:
         """The (B, T-1) scores of every step at once, from a planning policy's one call; -inf before the
@@ -173,7 +179,11 @@ class PriceSignal(_LowerStops, _PolicyBased):
     def scores(stop_logits: Tensor) -> Tensor:
         from .distributions import log_stop_time_distribution
 
-        log_q = log_stop_time_distribution(stop_logits.float())  # (B, T)
+        return PriceSignal.envelope(log_stop_time_distribution(stop_logits.float()))
+
+    @staticmethod
+    def envelope(log_q: Tensor) -> Tensor:
+        """(B, T-1) scores of a planned (B, T) log q: minus the least price that stops by t, t = 1..T-1."""
         T = log_q.shape[1]
         c = torch.arange(1, T + 1, dtype=log_q.dtype, device=log_q.device) / T
         dc = c[None, :] - c[:, None]  # (T, T) c_s' - c_s
@@ -190,6 +200,27 @@ class PriceSignal(_LowerStops, _PolicyBased):
         T = log_q.shape[1]
         c = torch.arange(1, T + 1, dtype=log_q.dtype, device=log_q.device) / T
         return (log_q[:, view.t - 1:] + threshold * c[view.t - 1:]).argmax(dim=1) + view.t  # threshold = -price
+
+    def replan_times(self, view: StepView, threshold: float) -> Tensor:
+        """At the second plan's step s, for the samples still running: argmax_{t >= s} log q2(t) - price * t / T."""
+        if threshold == math.inf:
+            return torch.full((view.index.numel(),), view.num_steps, dtype=torch.long, device=view.index.device)
+        log_q = replan_log_q(self.policy, view.inputs, view.output, view.previous_output, view.t,
+                             view.index.numel(), view.num_steps)
+        T = log_q.shape[1]
+        c = torch.arange(1, T + 1, dtype=log_q.dtype, device=log_q.device) / T
+        return (log_q[:, view.t - 1:] + threshold * c[view.t - 1:]).argmax(dim=1) + view.t
+
+    def replan_scores(self, scores: Tensor, view: StepView) -> Tensor:
+        """The (B, T-1) scores of the first plan (:meth:`plan_scores`) revised by the second, made at step s =
+        view.t: a sample stops by t >= s at a price if its first plan stopped by s, or its second by t, so its
+        score there is the larger of the two (the online rule's first crossing, offline)."""
+        s = view.t
+        second = self.envelope(replan_log_q(self.policy, view.inputs, view.output, view.previous_output, s,
+                                            view.index.numel(), view.num_steps))
+        out = scores.clone()
+        out[:, s - 1:] = torch.maximum(scores[:, s - 1:s], second[:, s - 1:])
+        return out
 
     def __call__(self, view: StepView) -> Tensor:
         raise ValueError("the price rule reads a planned q_phi: it needs a planning policy (one with plan_step)")
@@ -296,7 +327,7 @@ class SignalRule:
         if not isinstance(threshold, (int, float)) or math.isnan(threshold):
             raise ValueError(f"threshold must be a number; got {threshold!r}")
         self.signal, self.threshold = signal, float(threshold)
-        self.first_step, self.plan_step = signal.first_step, signal.plan_step
+        self.first_step, self.plan_step, self.replan_step = signal.first_step, signal.plan_step, signal.replan_step
         self.last_probs: Tensor | None = None
 
     def plan(self, view: StepView) -> Tensor:
@@ -306,6 +337,10 @@ class SignalRule:
         if direct is not None:
             return direct(view, self.threshold)
         return first_crossing(self.signal.plan_scores(view), self.threshold)
+
+    def replan(self, view: StepView) -> Tensor:
+        """Stop times of the samples still running at the signal's ``replan_step``, from its second plan."""
+        return self.signal.replan_times(view, self.threshold)
 
     @classmethod
     def from_param(cls, signal: StopSignal, param: float) -> "SignalRule":
@@ -441,6 +476,8 @@ def signal_trace(signal: StopSignal, step_outputs: list[Any], inputs: Any) -> Te
     if signal.plan_step is not None:
         if 1 <= signal.plan_step < T:
             out = signal.plan_scores(view(signal.plan_step)).float()
+            if signal.replan_step is not None:
+                out = signal.replan_scores(out, view(signal.replan_step))
         return out
     for t in range(max(signal.first_step, 1), T):
         out[:, t - 1] = signal(view(t)).float()

@@ -102,6 +102,9 @@ class StreamingRunner:
         self.model, self.rule, self.max_batch, self.capacity = model, rule, max_batch, capacity
         self.T = model.num_steps
         self.plan_step = member(rule, "plan_step")
+        if self.plan_step is not None and member(rule, "replan_step") is not None:
+            raise ValueError(f"the streaming runner plans once; this rule plans again at step "
+                             f"{member(rule, 'replan_step')} (replan_step): use run_with_early_exit")
         self.first = first_ask(rule)
         self.queues: list[deque[_Chunk]] = [deque() for _ in range(self.T)]  # queues[t]: ran t steps
         self.finished: dict[int, Finished] = {}

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from ...core import Metric, StoppingModel, stop_time_distribution
+from ...core import Metric, StoppingModel, log_stop_time_distribution, stop_time_distribution
+from ...core.distributions import replanned_log_q
 from ...core.evaluation import collect_trace, evaluate_rule
 from ...core.loop import unroll
 from ...core.pipeline import (Stage, StoppingApp, check_config, deployed_rule, load_stage,
@@ -48,7 +49,8 @@ class SparseApp(StoppingApp):
         for key in ("baseline", "stop", "stage3", "aevb") + (("baseline_equal",) if cfg.equal_budget else ()):
             lista = LISTA(task.A, L.num_steps, L.L, L.rho, L.shrinkage)
             p = cfg.policy
-            policy = (None if key.startswith("baseline") else SparseDepthPlanner(task.A, L.num_steps, p.hidden)
+            policy = (None if key.startswith("baseline")
+                      else SparseDepthPlanner(task.A, L.num_steps, p.hidden, replan=p.replan_mass > 0)
                       if p.features == "plan" else SparseStopPolicy(task.A, L.num_steps, p.features, p.sketch_dim, p.hidden, seed=cfg.seed))
             out[key] = StoppingModel(lista, policy).to(device)
         return out
@@ -57,7 +59,7 @@ class SparseApp(StoppingApp):
         return self.task(cfg)
 
     def stages(self, cfg: SparseConfig) -> list[Stage]:
-        min_step = min_step_hook(lambda c: c.policy.min_mass)
+        min_step = min_step_hook(lambda c: c.policy.min_mass, replan_mass=lambda c: c.policy.replan_mass)
 
         stages = [Stage("baseline", "baseline", cfg.baseline, describe="LISTA: sum_t gamma^(T-t) ||x_t - x*||^2"),
                   Stage("stage1", "stop", cfg.stage1, init_from="baseline" if cfg.stage1_init == "baseline" else None,
@@ -203,7 +205,14 @@ def evaluate(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
                 results["depth"][other] = {"mean": r2["mean_steps"], **{f"{s:g}": float(r2["stop_times"][test.snr == s]
                                                                        .float().mean()) for s in cfg.problem.snrs}}
             trace = stop_model_trace(APP, cfg, sm, "test", dev, with_classical=False)
-            errs_main, q_main = trace.metric, stop_time_distribution(trace.signals["threshold"].clamp_min(0))  # pi_t -> q_phi (-inf: not asked)
+            errs_main = trace.metric
+            if "threshold" in trace.signals:
+                q_main = stop_time_distribution(trace.signals["threshold"].clamp_min(0))  # pi_t -> q_phi (-inf: not asked)
+            else:  # a second plan: its q_phi is the two plans combined
+                with torch.no_grad():
+                    rolls = [sm.unroll(y) for y, _ in batches]
+                    q_main = torch.cat([replanned_log_q(log_stop_time_distribution(r.stop_logits), r.replan_log_q,
+                                                        sm.policy.replan_step).exp().cpu() for r in rolls])
             results["oracle_nmse"] = nmse_from_errors(errs_main.min(dim=1).values, test)  # needs x*: a bound
             results["min_step"] = int(sm.policy.min_step)
 

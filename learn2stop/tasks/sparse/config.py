@@ -33,12 +33,18 @@ class PolicyConfig:
 
     min_mass: steps before the first one whose mean validation oracle mass q*(t) exceeds this
         become ``min_step`` (the policy is not evaluated there); 0 disables it.
+    replan_mass: with ``plan``, plan the samples still running once more, from the last move and a few norms
+        of the state, at the first step before which the validation oracle holds this share of its mass (after
+        the plan step, before T; 0.3 gives step 10 of 16 on the quick problem); 0: one plan. Read by the price
+        rule (``inference.rule price``); Stage III and AEVB train the first plan only; export and the streaming
+        runner take one plan.
     """
 
     features: str = "plan"
     sketch_dim: int = 32
     hidden: tuple[int, ...] = (64, 64)
     min_mass: float = 0.001
+    replan_mass: float = 0.0
 
     def __post_init__(self):
         one_of(self.features, ("plan", "sketch", "full"), "features")
@@ -46,6 +52,9 @@ class PolicyConfig:
         for h in self.hidden:
             positive_int(h, "hidden")
         require(0 <= self.min_mass < 1, "min_mass", f"must be in [0, 1); got {self.min_mass}")
+        require(0 <= self.replan_mass < 1, "replan_mass", f"must be in [0, 1) (0: one plan); got {self.replan_mass}")
+        require(self.replan_mass == 0 or self.features == "plan", "replan_mass",
+                f"plans again: it needs features 'plan'; got features {self.features!r}")
 
 
 @dataclass
@@ -114,6 +123,8 @@ class SparseConfig:
             got = getattr(self, name).objective
             require(got == expected, f"{name}.objective", f"must be {expected!r} for this stage; got {got!r}")
         require(self.lista.num_steps >= 2, "lista.num_steps", "a stopping policy needs T >= 2 steps")
+        require(self.policy.replan_mass == 0 or self.inference.rule == "price", "policy.replan_mass",
+                f"a second plan is read by the price rule; inference.rule is {self.inference.rule!r}")
         _check_memory(self)
 
 
@@ -175,6 +186,9 @@ PRESETS: dict[str, dict] = {
         # The depth is planned once per sample at the first step with 2 % of the oracle's mass (step 5 of 16):
         # late enough that the residual shows the noise level, early enough for every budget from 30 %. The
         # price rule re-prices that one plan for any budget (price 0: q_phi's most likely step).
+        # (--policy.replan_mass 0.3 plans the samples still running once more, at step 10, from the last move: at
+        # or above the tolerance rule at every budget, see docs/sparse.md; not the default, since export and the
+        # streaming runner take one plan.)
         "policy": {"min_mass": 0.02},
         "inference": {"rule": "price", "param": 0.0},
     },

@@ -3,7 +3,9 @@
 :class:`SparseDepthPlanner` (default): asked once per sample, at its ``plan_step``, it predicts the whole
 stop-time distribution q_phi(t | y, x_s) over the remaining steps from a few statistics that reveal the
 noise level and how far the iteration is from converging (the residual, the gradient, the support). One
-call per sample instead of one per step, and the loop then runs the batch sorted by planned depth.
+call per sample instead of one per step, and the loop then runs the batch sorted by planned depth. With
+``replan_step`` it plans once more, at that later step, for the samples still running: from the size of the
+last move (the tolerance test's signal) and a few norms, all without a product with A.
 
 :class:`SparseStopPolicy` asks at every step, with two feature sets over one shared MLP:
 
@@ -95,6 +97,14 @@ class SparseStopPolicy(MinStep, nn.Module):
         return self.rest(h).squeeze(1)
 
 
+def _mlp(width: int, hidden: tuple[int, ...], out: int) -> nn.Sequential:
+    layers = []
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ELU()]
+        width = h
+    return nn.Sequential(*layers, nn.Linear(width, out))
+
+
 class SparseDepthPlanner(MinStep, nn.Module):
     """q_phi(t | y, x_s) for t = 1..T from the state at step s = ``plan_step``: a planning policy.
 
@@ -110,26 +120,35 @@ class SparseDepthPlanner(MinStep, nn.Module):
     (:func:`~learn2stop.core.distributions.stop_logits_from_distribution`), so every Stage II loss and
     every policy rule applies unchanged.
 
+    With ``replan=True`` a second head can plan again, at ``replan_step`` s2 (set, like ``min_step``, from the
+    validation oracle before Stage II, and kept in the checkpoint; None: one plan), the samples still running
+    (:meth:`replan_log_q`): what the tolerance rule learns from the steps after the plan, and a single plan
+    cannot see (``benchmarks/sparse_replan_probe.py``: from behind the tolerance rule at 70-90 % of the steps
+    to ahead of it on the quick problem).
+
     Args:
         A: (m, n) measurement matrix.
         num_steps: T.
-        hidden: widths of the MLP.
+        hidden: widths of the MLPs.
+        replan: give it the second head.
     """
 
     in_dim = 8
+    replan_dim = 6
 
-    def __init__(self, A: Tensor, num_steps: int, hidden: tuple[int, ...] = (64, 64)):
+    def __init__(self, A: Tensor, num_steps: int, hidden: tuple[int, ...] = (64, 64), replan: bool = False):
         super().__init__()
         self.num_steps = num_steps
         self.min_step = 1
+        self.replan_step: int | None = None
         self.register_buffer("A", A.clone())
         self.register_buffer("_minus", torch.tensor([0, 4]), persistent=False)  # log-norm ratios: [1, 2] - [0, 4]
-        layers, width = [], self.in_dim
-        for h in hidden:
-            layers += [nn.Linear(width, h), nn.ELU()]
-            width = h
-        layers.append(nn.Linear(width, num_steps))
-        self.net = nn.Sequential(*layers)
+        self.net = _mlp(self.in_dim, hidden, num_steps)
+        # the second head: steps s2..T from the state at s2. Its inputs are standardised by the statistics of the
+        # training batches (theta is frozen in Stage II, so they do not drift): on the quick problem that is worth
+        # 0.03-0.04 dB at 70-90 % of the steps (benchmarks/sparse_replan_probe.py, with and without it).
+        self.replan_norm = nn.BatchNorm1d(self.replan_dim, affine=False, momentum=None) if replan else None
+        self.replan_net = _mlp(self.replan_dim, hidden, num_steps) if replan else None  # read from s2 on
 
     @property
     def plan_step(self) -> int:
@@ -160,3 +179,32 @@ class SparseDepthPlanner(MinStep, nn.Module):
         from ...core.distributions import stop_logits_from_distribution
 
         return stop_logits_from_distribution(self.plan_log_q(y, x, t))
+
+    def extract_late(self, y: Tensor, x: Tensor, previous: Tensor) -> Tensor:
+        """The (B, 6) features of the second plan, none of them a product with A: log ||x||_1, log ||x||_2, the
+        support fraction, log ||y||, and the last move's log size and log size relative to ||x||."""
+        norm = torch.linalg.vector_norm
+        size, move = norm(x, dim=1), norm(x - previous, dim=1)
+        logs = torch.stack([x.abs().sum(dim=1), size, norm(y, dim=1), move, move / (size + 1e-6)], dim=1).add(1e-6).log()
+        return torch.cat([logs, (support_size(x) / x.shape[1])[:, None]], dim=1)
+
+    def replan_log_q(self, y: Tensor, x: Tensor, previous: Tensor, t: int) -> Tensor:
+        """The second plan's (B, T) log q_phi of steps t..T (``replan_step``; earlier entries are never read)
+        from the state at t and the one before it."""
+        if self.replan_net is None or self.replan_step is None or t != self.replan_step:
+            raise ValueError(f"this planner plans again only at its replan_step ({self.replan_step}); asked at step {t}")
+        h = self.replan_norm(self.extract_late(y, x, previous))
+        for layer in self.replan_net:
+            h = F.linear(h, layer.weight, layer.bias) if isinstance(layer, nn.Linear) else F.elu(h)
+        return h  # logits of steps 1..T; the loop renormalises them on t..T
+
+    def get_extra_state(self) -> dict:
+        return {**super().get_extra_state(), "replan_step": self.replan_step}
+
+    def set_extra_state(self, state: dict) -> None:
+        super().set_extra_state(state)
+        again = state.get("replan_step")  # absent in checkpoints of one plan
+        if again is not None and self.replan_net is None:
+            raise ValueError(f"the checkpoint plans again at step {again}, and this planner has no second head "
+                             "(build it with replan=True: policy.replan_mass > 0)")
+        self.replan_step = again
