@@ -6,7 +6,8 @@ What is written to ``out_dir``:
   initial state itself; step t > 1 takes the state of step t-1 (and the inputs it reads). Each returns
   the new state (not at the last step), the readout where the rule needs it (every step where a sample
   can stop), and the policy's stop logit where the policy is asked (a planning policy: its (B, T-1)
-  plan at ``plan_step``). One graph per step, not one graph with a loop: compaction then happens
+  plan at ``plan_step``; one that plans twice, also its (B, T) second plan at ``replan_step``, from the
+  previous step's output, which that graph takes as ``previous.*`` inputs). One graph per step, not one graph with a loop: compaction then happens
   between ONNX Runtime calls in numpy, and each call runs only the rows still going.
 - ``manifest.json``: the task, T, the rule and its parameter (from the run's ``calibration.json`` or the
   inference config), the inputs and outputs (names, shapes with ``null`` for the batch, dtypes), each
@@ -108,26 +109,29 @@ def _schedule(spec: dict, policy: Any, T: int) -> dict:
     name = spec["name"]
     if name == "fixed":
         last = min(int(spec["param"]), T)
-        return {"last": last, "readout": [last], "policy": [], "plan": None}
+        return {"last": last, "readout": [last], "policy": [], "plan": None, "replan": None}
     if spec["never_stops_early"]:
-        return {"last": T, "readout": [T], "policy": [], "plan": None}
+        return {"last": T, "readout": [T], "policy": [], "plan": None, "replan": None}
     if SIGNALS[name].needs_policy:
         if policy is None:
             raise ExportError(f"rule {name!r} needs a stopping policy, but the model has none")
         plan = _plan_step(policy)
-        if plan is not None and member(policy, "replan_step") is not None:
-            raise ExportError(f"this policy plans again at step {member(policy, 'replan_step')} (replan_step); export "
-                              "writes one plan: train it with replan_step 0 to export it")
         if plan is not None:
             if isinstance(plan, bool) or not isinstance(plan, int) or not 1 <= plan <= T - 1:
                 raise ExportError(f"policy.plan_step must be an integer in 1..{T - 1}; got {plan!r}")
-            return {"last": T, "readout": list(range(plan, T + 1)), "policy": [], "plan": plan}
+            again = member(policy, "replan_step")
+            if again is not None and name != "price":
+                raise ExportError(f"rule {name!r} reads one plan, and this policy plans again at step {again}: "
+                                  "export its price rule")
+            if again is not None and (isinstance(again, bool) or not isinstance(again, int) or not plan < again < T):
+                raise ExportError(f"policy.replan_step must be an integer in {plan + 1}..{T - 1}; got {again!r}")
+            return {"last": T, "readout": list(range(plan, T + 1)), "policy": [], "plan": plan, "replan": again}
         if name == "price":
             raise ExportError("rule 'price' reads a planned q_phi: it needs a planning policy (one with plan_step)")
         first = max(int(member(policy, "min_step")), 1)
         asked = list(range(first, T))
-        return {"last": T, "readout": asked + [T], "policy": asked, "plan": None}
-    return {"last": T, "readout": list(range(1, T + 1)), "policy": [], "plan": None}
+        return {"last": T, "readout": asked + [T], "policy": asked, "plan": None, "replan": None}
+    return {"last": T, "readout": list(range(1, T + 1)), "policy": [], "plan": None, "replan": None}
 
 
 # ----------------------------------------------------------------------------- graphs
@@ -135,14 +139,17 @@ class _StepGraph(nn.Module):
     """Step t of a stop model as one traceable function of flat tensors (see the module docstring)."""
 
     def __init__(self, model: nn.Module, policy: nn.Module | None, t: int, *, n_state: int, in_spec, state_spec,
-                 keep_state: bool, readout: bool, policy_kind: str | None):
+                 keep_state: bool, readout: bool, policy_kind: str | None, n_in: int = 0, out_spec=None):
         super().__init__()
         self.model, self.policy, self.t = model, policy, t
         self.n_state, self.in_spec, self.state_spec = n_state, in_spec, state_spec
         self.keep_state, self.readout, self.policy_kind = keep_state, readout, policy_kind
+        self.n_in, self.out_spec = n_in, out_spec  # a second plan also takes the previous output, after the inputs
 
     def forward(self, *flat: Tensor):
         state_leaves, input_leaves = flat[:self.n_state], flat[self.n_state:]
+        if self.policy_kind == "replan":
+            input_leaves, previous = input_leaves[:self.n_in], tree_unflatten(list(input_leaves[self.n_in:]), self.out_spec)
         inputs = tree_unflatten(list(input_leaves), self.in_spec)
         if self.t == 1:
             state = self.model.initial_state(inputs)
@@ -153,7 +160,9 @@ class _StepGraph(nn.Module):
         if self.readout:
             output = self.model.readout(self.t, state, inputs)
             outs += tree_flatten(output)[0]
-            if self.policy_kind is not None:
+            if self.policy_kind == "replan":
+                outs.append(self.policy.replan_log_q(inputs, output, previous, self.t))
+            elif self.policy_kind is not None:
                 outs.append(self.policy(inputs, output, self.t))
         # a graph output must not be a graph input or another output: copy what passes through unchanged
         seen: set[int] = {id(x) for x in flat}
@@ -298,7 +307,7 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
     state1 = model.step(1, state0, inputs)
     output1 = model.readout(1, state1, inputs)
     state_leaves, state_spec = tree_flatten(state1)
-    out_leaves, _ = tree_flatten(output1)
+    out_leaves, out_spec = tree_flatten(output1)
     state_names = [f"state.{i}" for i in range(len(state_leaves))]
     out_names = _leaf_names(output1, "output")
     dynamic = {k: sorted(int(d) for d in v) for k, v in (dynamic_dims or {}).items()}
@@ -322,15 +331,20 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
         for t in range(1, plan["last"] + 1):
             keep = t < plan["last"]
             readout = t in plan["readout"]
-            kind = "plan" if plan["plan"] == t else ("logit" if t in plan["policy"] else None)
+            kind = ("plan" if plan["plan"] == t else "replan" if plan["replan"] == t
+                    else "logit" if t in plan["policy"] else None)
             g = _StepGraph(model, policy, t, n_state=0 if t == 1 else len(state_names), in_spec=in_spec,
-                           state_spec=state_spec, keep_state=keep, readout=readout, policy_kind=kind).eval()
+                           state_spec=state_spec, keep_state=keep, readout=readout, policy_kind=kind,
+                           n_in=len(in_leaves), out_spec=out_spec).eval()
             # (eval: the exporter puts the wrapper back in its own mode afterwards, recursively)
             args = tuple(in_leaves) if t == 1 else (*tree_flatten(state)[0], *in_leaves)
             g_in = in_names if t == 1 else state_names + in_names
+            if kind == "replan":  # the previous step's output (the state before this step, read out)
+                args += tuple(tree_flatten(model.readout(t - 1, state, inputs))[0])
+                g_in = g_in + [f"previous.{n}" for n in out_names]
             g_out = ([f"next_{n}" for n in state_names] if keep else []) + (out_names if readout else [])
             if kind is not None:
-                g_out.append("stop_plan" if kind == "plan" else "stop_logit")
+                g_out.append({"plan": "stop_plan", "replan": "replan_log_q"}.get(kind, "stop_logit"))
             if kind == "logit":
                 logit = g(*args)[-1]
                 if logit.shape != (in_leaves[0].shape[0],):
@@ -339,6 +353,11 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
                 got = g(*args)[-1]
                 if got.shape != (in_leaves[0].shape[0], T - 1):
                     raise ExportError(f"planning policy at step {t}: must return (B, {T - 1}) stop logits; got {tuple(got.shape)}")
+            if kind == "replan":
+                got = g(*args)[-1]
+                if got.shape != (in_leaves[0].shape[0], T):
+                    raise ExportError(f"planning policy's second plan at step {t}: must return (B, {T}) log q_phi; "
+                                      f"got {tuple(got.shape)}")
             path = tmp / f"step_{t:02d}.onnx"
             try:
                 _onnx_export(g, args, path, g_in, g_out, opset, dynamic)
@@ -355,7 +374,8 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
             "format": FORMAT, "version": FORMAT_VERSION, "task": task, "num_steps": T, "last_step": plan["last"],
             "rule": spec,
             "policy": None if policy is None else {"kind": "plan" if plan["plan"] else "per_step",
-                                                   "plan_step": plan["plan"], "asked_at": plan["policy"],
+                                                   "plan_step": plan["plan"], "replan_step": plan["replan"],
+                                                   "asked_at": plan["policy"],
                                                    "never_stop_logit": NEVER_STOP_LOGIT},
             "inputs": _describe(in_names, in_leaves, dynamic), "outputs": _describe(out_names, out_leaves, dynamic),
             "state": _describe(state_names, state_leaves, dynamic), "exit_costs": costs, "steps": steps,

@@ -171,9 +171,8 @@ def test_stage2_fits_a_replanning_policy(tmp_path):
     assert kl() < 0.7 * before
 
 
-def test_one_plan_rules_and_runners_refuse_a_second_plan():
+def test_one_plan_rules_refuse_a_second_plan():
     from learn2stop.core.calibration import policy_rules
-    from learn2stop.core.streaming import StreamingRunner
     from learn2stop.export import ExportError, _schedule
 
     T = 6
@@ -182,11 +181,9 @@ def test_one_plan_rules_and_runners_refuse_a_second_plan():
     for name in ("threshold", "quantile"):
         with pytest.raises(ValueError, match=f"the '{name}' rule reads one plan.*use the price rule"):
             make_signal(name, planner)
-    rule = SignalRule.from_param(make_signal("price", planner), 1.0)
-    with pytest.raises(ValueError, match="streaming runner plans once"):
-        StreamingRunner(model, rule)
-    with pytest.raises(ExportError, match="plans again at step 4"):
-        _schedule({"name": "price", "param": 1.0, "never_stops_early": False}, planner, T)
+    with pytest.raises(ExportError, match="rule 'quantile' reads one plan, and this policy plans again at step 4"):
+        _schedule({"name": "quantile", "param": 0.5, "never_stops_early": False}, planner, T)
+    assert _schedule({"name": "price", "param": 1.0, "never_stops_early": False}, planner, T)["replan"] == 4
     late = Replanner(T, 2, 2)
     with pytest.raises(ValueError, match=r"replan_step must be an integer after the plan step \(2\)"):
         run_with_early_exit(model, torch.randn(3, 3), SignalRule.from_param(make_signal("price", late), 1.0))
@@ -274,3 +271,50 @@ def test_the_sparse_planners_second_head_reads_the_last_move():
         SparseDepthPlanner(A, 8, hidden=(5,)).load_state_dict(planner.state_dict(), strict=False)
     assert set(SparseDepthPlanner(A, 8).state_dict()) == {"A", "_extra_state", "net.0.weight", "net.0.bias",
                                                           "net.2.weight", "net.2.bias", "net.4.weight", "net.4.bias"}
+
+
+@pytest.mark.parametrize("price", [-1.0, 0.0, 1.0])
+def test_the_exported_second_plan_stops_where_torch_does(tmp_path, price):
+    """ONNX Runtime runs the second plan's graph (with the previous output as its input) and stops every row at
+    the step the torch loop does, with the same outputs."""
+    pytest.importorskip("onnxruntime")
+    from learn2stop.core import StoppingModel
+    from learn2stop.export import export_stop_model
+    from learn2stop.runtime import load
+    from learn2stop.tasks.sparse.models import LISTA
+    from learn2stop.tasks.sparse.policy import SparseDepthPlanner
+
+    torch.manual_seed(0)
+    A = torch.randn(20, 40) / 20 ** 0.5
+    planner = SparseDepthPlanner(A, 8, hidden=(8,), replan=True)
+    planner.min_step, planner.replan_step = 2, 5
+    with torch.no_grad():
+        for p in planner.parameters():
+            p.mul_(5)  # plans that spread over the steps
+    sm = StoppingModel(LISTA(A, 8), planner).eval()
+    y = torch.randn(64, 20)
+    with torch.no_grad():
+        ref = run_with_early_exit(sm.model, y, SignalRule.from_param(make_signal("price", planner), price))
+    assert (ref.stop_times > 5).any()  # the second plan decides some rows
+    out = export_stop_model(sm, {"name": "price", "param": price}, y[:2], tmp_path / "ex", task="sparse")
+    got = load(out).run(y.numpy())
+    assert (got.stop_times == ref.stop_times.numpy()).all()
+    assert abs(got.outputs - ref.outputs.numpy()).max() < 1e-5
+
+
+def test_the_streaming_runner_plans_again_where_the_loop_does():
+    """Requests arriving one by one, served in refilled per-step batches, stop where the batch loop stops them."""
+    from learn2stop.core.streaming import StreamingRunner
+
+    torch.manual_seed(2)
+    T = 8
+    model, planner = ToyStepModel(num_steps=T), _spread(Replanner(T, 2, 5))
+    y = torch.randn(40, 3)
+    rule = lambda: SignalRule.from_param(make_signal("price", planner), 0.7)  # noqa: E731
+    with torch.no_grad():
+        ref = run_with_early_exit(model, y, rule())
+    assert (ref.stop_times > 5).any() and (ref.stop_times < 5).any()
+    runner = StreamingRunner(model, rule(), max_batch=7)
+    ids = [runner.submit(y[i:i + 1]) for i in range(len(y))]
+    runner.run_until_idle()
+    assert [runner.finished[i].stop_time for i in ids] == ref.stop_times.tolist()

@@ -102,9 +102,7 @@ class StreamingRunner:
         self.model, self.rule, self.max_batch, self.capacity = model, rule, max_batch, capacity
         self.T = model.num_steps
         self.plan_step = member(rule, "plan_step")
-        if self.plan_step is not None and member(rule, "replan_step") is not None:
-            raise ValueError(f"the streaming runner plans once; this rule plans again at step "
-                             f"{member(rule, 'replan_step')} (replan_step): use run_with_early_exit")
+        self.replan_step = member(rule, "replan_step") if self.plan_step is not None else None
         self.first = first_ask(rule)
         self.queues: list[deque[_Chunk]] = [deque() for _ in range(self.T)]  # queues[t]: ran t steps
         self.finished: dict[int, Finished] = {}
@@ -170,6 +168,11 @@ class StreamingRunner:
             return self._finish(c, T)
         if t == self.plan_step:
             c.planned = self.rule.plan(StepView(t, T, c.inputs, c.output, None, c.state, c.slots)).clamp(t, T)
+        elif t == self.replan_step:  # the requests planned past this step are planned again, from the run so far
+            late = c.planned > t
+            if bool(late.any()):
+                again = self.rule.replan(StepView(t, T, c.inputs, c.output, previous, c.state, c.slots)).clamp(t, T)
+                c.planned = torch.where(late, again, c.planned)
         if c.planned is not None:
             stop = c.planned == t
         elif t >= self.first:

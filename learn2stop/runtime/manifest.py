@@ -72,7 +72,7 @@ def read_manifest(folder: str | Path, verify: bool = True) -> dict:
         _require(isinstance(s.get("file"), str) and "/" not in s["file"] and "\\" not in s["file"]
                  and isinstance(s.get("sha256"), str) and isinstance(s.get("inputs"), list)
                  and isinstance(s.get("outputs"), list) and isinstance(s.get("readout"), bool)
-                 and s.get("policy") in (None, "logit", "plan"),
+                 and s.get("policy") in (None, "logit", "plan", "replan"),
                  path, f"step {s.get('t')}: needs file, sha256, inputs, outputs, readout and policy; got {s!r}")
     _require(steps[-1]["readout"], path, "the last step must compute the readout")
     if verify:

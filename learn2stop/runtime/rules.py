@@ -11,7 +11,8 @@ the manifest's threshold (score units, as :class:`~learn2stop.core.rules.SignalR
 - ``fixed``: nobody is asked; the export ends at the depth.
 
 A planning policy (``plan_step``) gives all its logits at once: the same scores over the plan fix each
-row's stop step there. Arithmetic is float32, as in torch, so stop times match the torch loop.
+row's stop step there; one that plans again (``replan_step``) gives the rows still running a second
+(B, T) log q_phi there, which the price rule reads as :meth:`~learn2stop.core.rules.PriceSignal.replan_times`. Arithmetic is float32, as in torch, so stop times match the torch loop.
 """
 from __future__ import annotations
 
@@ -62,6 +63,9 @@ class Rule:
     def plan_scores(self, plan: np.ndarray) -> np.ndarray:
         raise ValueError(f"the {type(self).__name__} rule cannot read a planning policy's logits")
 
+    def replan_stop_steps(self, log_q: np.ndarray, t: int) -> np.ndarray:
+        raise ValueError(f"the {type(self).__name__} rule reads one plan; a second plan is read by the price rule")
+
 
 class ThresholdRule(Rule):
     uses_logit = True
@@ -96,6 +100,16 @@ class PriceRule(Rule):
 
     def decide(self, t, output, logit):
         raise ValueError("the price rule reads a planned q_phi: it needs a planning policy (one with plan_step)")
+
+    def replan_stop_steps(self, log_q, t):
+        """1-based stop steps of the rows still running at a second plan's step t: argmax over s >= t of the
+        (B, T) second plan, renormalised on s >= t, minus price * s / T."""
+        late = log_q[:, t - 1:].astype(np.float32, copy=False)
+        late = late - late.max(axis=1, keepdims=True)
+        late = late - np.log(np.exp(late).sum(axis=1, keepdims=True))
+        T = log_q.shape[1]
+        c = np.arange(t, T + 1, dtype=np.float32) / np.float32(T)
+        return (late + self.threshold * c).argmax(axis=1) + t
 
     def plan_scores(self, plan):
         B, T = plan.shape[0], plan.shape[1] + 1

@@ -75,9 +75,11 @@ class StopRuntime:
         in_names = [i["name"] for i in self.inputs]
         # per step, fixed once: the inputs it reads, the state leaves it reads (the exporter drops the others,
         # by index into the previous step's state outputs), and how many state outputs it gives
+        out_names = [o["name"] for o in self.outputs]
         self._plan = [([n for n in s["inputs"] if n in in_names],
-                       [(n, int(n.split(".")[1])) for n in s["inputs"] if n not in in_names],
-                       len(s["outputs"]) - (self._n_out if s["readout"] else 0) - (s["policy"] is not None))
+                       [(n, int(n.split(".")[1])) for n in s["inputs"] if n.startswith("state.")],
+                       len(s["outputs"]) - (self._n_out if s["readout"] else 0) - (s["policy"] is not None),
+                       [(n, out_names.index(n.removeprefix("previous."))) for n in s["inputs"] if n.startswith("previous.")])
                       for s in self._steps]
         # after step t, only the inputs some later graph reads are compacted with the batch
         self._later_inputs = [sorted({n for s in self._steps[t:] for n in s["inputs"] if n in in_names})
@@ -143,13 +145,16 @@ class StopRuntime:
         stop_times = np.full(B, self.last_step, dtype=np.int64)
         active = np.arange(B)
         planned = None  # stop step per running row, once a planning policy has spoken
+        previous: list[np.ndarray] = []  # the last readout of the running rows (a second plan reads it)
         state: list[np.ndarray] = []
         for i, (sess, step) in enumerate(zip(self._sessions, self._steps)):
             t = step["t"]
-            reads, state_names, n_state = self._plan[i]
+            reads, state_names, n_state, previous_names = self._plan[i]
             feed = {n: feeds[n] for n in reads}
             for name, j in state_names:
                 feed[name] = state[j]
+            for name, j in previous_names:  # a second plan reads the previous step's output of its rows
+                feed[name] = previous[j]
             res = sess.run(None, feed)
             state = res[:n_state]
             if t == self.last_step:
@@ -163,6 +168,9 @@ class StopRuntime:
                 plan[:, :t - 1] = self._never_stop
                 planned = np.maximum(rule.plan_stop_steps(plan), t)
                 stop = planned == t
+            elif step["policy"] == "replan":  # the rows planned past this step are planned again
+                planned = np.where(planned > t, np.maximum(rule.replan_stop_steps(np.asarray(res[-1]), t), t), planned)
+                stop = planned == t
             elif planned is not None:
                 stop = planned == t
             else:
@@ -170,6 +178,7 @@ class StopRuntime:
                 if rule.uses_logit and logit is None:
                     continue  # the policy is not asked at this step (before its min_step)
                 stop = rule.decide(t, output[0] if len(output) == 1 else output, logit)
+            previous = output
             n_stop = int(stop.sum())
             if not n_stop:
                 continue
@@ -186,6 +195,7 @@ class StopRuntime:
             rule.compact(keep)
             if planned is not None:
                 planned = planned[keep]
+            previous = [x[keep] for x in previous]
             for n in self._later_inputs[i]:
                 feeds[n] = feeds[n][keep]
         outputs = outs[0] if self._n_out == 1 else {o["name"].removeprefix("output."): a for o, a in zip(self.outputs, outs)}

@@ -36,8 +36,7 @@ class PolicyConfig:
     replan_mass: with ``plan``, plan the samples still running once more, from the last move and a few norms
         of the state, at the first step before which the validation oracle holds this share of its mass (after
         the plan step, before T; 0.3 gives step 10 of 16 on the quick problem); 0: one plan. Read by the price
-        rule (``inference.rule price``); Stage III and AEVB train the first plan only; export and the streaming
-        runner take one plan.
+        rule (``inference.rule price``); Stage III and AEVB train the first plan only.
     """
 
     features: str = "plan"
@@ -186,10 +185,10 @@ PRESETS: dict[str, dict] = {
         # The depth is planned once per sample at the first step with 2 % of the oracle's mass (step 5 of 16):
         # late enough that the residual shows the noise level, early enough for every budget from 30 %. The
         # price rule re-prices that one plan for any budget (price 0: q_phi's most likely step).
-        # (--policy.replan_mass 0.3 plans the samples still running once more, at step 10, from the last move: at
-        # or above the tolerance rule at every budget, see docs/sparse.md; not the default, since export and the
-        # streaming runner take one plan.)
-        "policy": {"min_mass": 0.02},
+        # ... and planned once more, for the samples still running, where the oracle has 30 % of its mass before
+        # (step 10): from the last move, the tolerance test's own signal, which the plan at step 5 cannot see
+        # (benchmarks/sparse_replan_probe.py; docs/sparse.md). --policy.replan_mass 0 gives one plan.
+        "policy": {"min_mass": 0.02, "replan_mass": 0.3},
         "inference": {"rule": "price", "param": 0.0},
     },
 }
