@@ -125,3 +125,19 @@ def gen():
 def toy():
     torch.manual_seed(0)
     return ToyStepModel(), ToyPolicy()
+
+
+def oracle_kl(sm, task, beta: float) -> float:
+    """Mean forward KL(q* || q_phi) on the task's validation batch; q_phi is both plans combined for a policy that
+    plans twice (:func:`~learn2stop.core.distributions.replanned_log_q`)."""
+    from learn2stop.core import log_oracle_distribution, log_stop_time_distribution
+    from learn2stop.core.distributions import replanned_log_q
+
+    (y, x), = task.validation_batches("cpu")
+    with torch.no_grad():
+        r = sm.unroll(y, x, task.loss_fn)
+    log_q = log_stop_time_distribution(r.stop_logits)
+    if r.replan_log_q is not None:
+        log_q = replanned_log_q(log_q, r.replan_log_q, sm.policy.replan_step)
+    log_p = log_oracle_distribution(r.losses, beta)
+    return float((log_p.exp() * (log_p - log_q)).sum(1).mean())

@@ -232,8 +232,8 @@ def test_price_zero_is_the_map_stop_time_of_the_plan():
 def test_stage2_fits_a_planning_policy_to_the_oracle(tmp_path):
     """Stage II trains a planner on the schedule it is used on (one call at its plan step) and brings
     its q_phi towards the oracle: the forward KL on validation falls."""
-    from conftest import ToyTask
-    from learn2stop.core import StageConfig, StagedTrainer, log_oracle_distribution
+    from conftest import ToyTask, oracle_kl
+    from learn2stop.core import StageConfig, StagedTrainer
 
     torch.manual_seed(5)
     T = 4
@@ -242,19 +242,12 @@ def test_stage2_fits_a_planning_policy_to_the_oracle(tmp_path):
     StagedTrainer(sm, task, tmp_path, progress=False).fit(
         "stage1", StageConfig(objective="stage1", iterations=120, batch_size=32, lr=1e-2, beta=0.1, eval_every=60))
 
-    def kl() -> float:
-        (y, x), = task.validation_batches("cpu")
-        with torch.no_grad():
-            r = sm.unroll(y, x, task.loss_fn)
-        log_p = log_oracle_distribution(r.losses, 0.1)
-        return float((log_p.exp() * (log_p - log_stop_time_distribution(r.stop_logits))).sum(1).mean())
-
-    before = kl()
+    before = oracle_kl(sm, task, 0.1)
     planner.calls = 0
     StagedTrainer(sm, task, tmp_path, progress=False).fit(
         "stage2", StageConfig(objective="stage2", iterations=80, batch_size=32, lr=3e-2, beta=0.1, eval_every=40))
     assert planner.calls >= 80  # one call per training rollout (and per validation batch), never per step
-    assert kl() < 0.7 * before
+    assert oracle_kl(sm, task, 0.1) < 0.7 * before
 
 
 def test_budget_calibration_never_stops_where_the_rule_is_not_asked():

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ToyStepModel, ToyTask
+from conftest import ToyStepModel, ToyTask, oracle_kl
 from learn2stop.core import (SignalRule, StoppingModel, first_crossing, log_stop_time_distribution, run_with_early_exit,
                              signal_trace, unroll)
 from learn2stop.core.distributions import log_oracle_distribution, replanned_log_q, stop_logits_from_distribution
@@ -147,7 +147,7 @@ def test_unroll_returns_both_plans_and_stage2_trains_each_on_its_oracle():
 
 
 def test_stage2_fits_a_replanning_policy(tmp_path):
-    """Stage II on the toy task lowers the forward KL of the combined q_phi to the oracle."""
+    """Stage II on the toy task lowers the forward KL of the two plans combined to the oracle."""
     from learn2stop.core import InferenceConfig, StageConfig, StagedTrainer
 
     torch.manual_seed(5)
@@ -158,17 +158,10 @@ def test_stage2_fits_a_replanning_policy(tmp_path):
     StagedTrainer(sm, task, tmp_path, progress=False, inference=price).fit(
         "stage1", StageConfig(objective="stage1", iterations=120, batch_size=32, lr=1e-2, beta=0.1, eval_every=60))
 
-    def kl() -> float:
-        (y, x), = task.validation_batches("cpu")
-        with torch.no_grad():
-            r = sm.unroll(y, x, task.loss_fn)
-        log_p = log_oracle_distribution(r.losses, 0.1)
-        return float((log_p.exp() * (log_p - log_stop_time_distribution(r.stop_logits))).sum(1).mean())
-
-    before = kl()
+    before = oracle_kl(sm, task, 0.1)
     StagedTrainer(sm, task, tmp_path, progress=False, inference=price).fit(
         "stage2", StageConfig(objective="stage2", iterations=80, batch_size=32, lr=3e-2, beta=0.1, eval_every=40))
-    assert kl() < 0.7 * before
+    assert oracle_kl(sm, task, 0.1) < 0.7 * before
 
 
 def test_one_plan_rules_refuse_a_second_plan():
