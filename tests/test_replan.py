@@ -233,6 +233,8 @@ def test_sparse_config_refuses_a_second_plan_it_cannot_make():
         preset("quick", policy={"replan_mass": 0.3, "features": "sketch"})
     with pytest.raises(ConfigError, match="read by the price rule; inference.rule is 'quantile'"):
         preset("quick", policy={"replan_mass": 0.3}, inference={"rule": "quantile", "param": 0.5})
+    with pytest.raises(ConfigError, match="inference.sampled samples one plan"):
+        preset("quick", inference={"sampled": True})
     assert preset("quick", policy={"replan_mass": 0.0}, inference={"rule": "quantile", "param": 0.5})
 
 

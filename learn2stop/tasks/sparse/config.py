@@ -124,6 +124,8 @@ class SparseConfig:
         require(self.lista.num_steps >= 2, "lista.num_steps", "a stopping policy needs T >= 2 steps")
         require(self.policy.replan_mass == 0 or self.inference.rule == "price", "policy.replan_mass",
                 f"a second plan is read by the price rule; inference.rule is {self.inference.rule!r}")
+        require(self.policy.replan_mass == 0 or not self.inference.sampled, "policy.replan_mass",
+                "a second plan is read by the price rule; inference.sampled samples one plan's q_phi")
         _check_memory(self)
 
 
