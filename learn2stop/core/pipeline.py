@@ -203,14 +203,15 @@ def min_step_hook(min_mass: Callable[[Any], float], cap: bool = False,
     holds ``replan_mass(cfg)`` of its mass (0: one plan), after the plan step and before T."""
     def hook(models, app, cfg, run: Run):
         sm = models["stop"]
-        task = app.training_task(cfg, "stop", sm)
-        sm.policy.min_step = oracle_min_step(sm, task, app.method(cfg), min_mass(cfg), run.device,
-                                             last=sm.num_steps - 1 if cap else None)
+        again = replan_mass(cfg) if replan_mass is not None else 0.0
+        # one validation pass gives the oracle's mass for both steps
+        mass = (oracle_step_mass(sm, app.training_task(cfg, "stop", sm), app.method(cfg), run.device)
+                if min_mass(cfg) > 0 or again > 0 else None)
+        sm.policy.min_step = oracle_min_step(sm, None, app.method(cfg), min_mass(cfg), run.device,
+                                             last=sm.num_steps - 1 if cap else None, mass=mass)
         if sm.policy.min_step > 1:
             run.log(f"      policy asked from step {sm.policy.min_step} (oracle mass below {min_mass(cfg)} before it)")
-        again = replan_mass(cfg) if replan_mass is not None else 0.0
         if again > 0:
-            mass = oracle_step_mass(sm, task, app.method(cfg), run.device)
             before = torch.cat([mass.new_zeros(1), mass.cumsum(0)[:-1]])  # before[t - 1]: the mass of steps < t
             late = [t for t in range(sm.policy.min_step + 1, sm.num_steps) if float(before[t - 1]) >= again]
             sm.policy.replan_step = late[0] if late else None
@@ -221,8 +222,10 @@ def min_step_hook(min_mass: Callable[[Any], float], cap: bool = False,
 
 
 @torch.no_grad()
-def oracle_min_step(sm: StoppingModel, task: Any, method: MethodConfig, min_mass: float, device, last: int | None = None) -> int:
-    """First step whose mean validation oracle mass (with the method's prior and price) exceeds ``min_mass``.
+def oracle_min_step(sm: StoppingModel, task: Any, method: MethodConfig, min_mass: float, device, last: int | None = None,
+                    mass: torch.Tensor | None = None) -> int:
+    """First step whose mean validation oracle mass (with the method's prior and price; ``mass``: that of
+    :func:`oracle_step_mass`, already computed) exceeds ``min_mass``.
 
     Earlier steps are (almost) never the oracle's choice, so a policy with ``min_step`` set to this is
     not even asked there: an explicit, reported minimum depth (the release applies the same cut silently).
@@ -230,7 +233,8 @@ def oracle_min_step(sm: StoppingModel, task: Any, method: MethodConfig, min_mass
     """
     if min_mass <= 0:
         return 1
-    above = (oracle_step_mass(sm, task, method, device) > min_mass).nonzero()
+    mass = oracle_step_mass(sm, task, method, device) if mass is None else mass
+    above = (mass > min_mass).nonzero()
     first = int(above[0]) + 1 if above.numel() else sm.num_steps
     return min(first, last) if last is not None else first
 
