@@ -81,6 +81,9 @@ class StopRuntime:
                        len(s["outputs"]) - (self._n_out if s["readout"] else 0) - (s["policy"] is not None),
                        [(n, out_names.index(n.removeprefix("previous."))) for n in s["inputs"] if n.startswith("previous.")])
                       for s in self._steps]
+        # whether the next step reads this step's output (a second plan's): only then is it kept and compacted
+        self._next_reads_output = [bool(self._plan[i + 1][3]) if i + 1 < len(self._plan) else False
+                                   for i in range(len(self._plan))]
         # after step t, only the inputs some later graph reads are compacted with the batch
         self._later_inputs = [sorted({n for s in self._steps[t:] for n in s["inputs"] if n in in_names})
                               for t in range(1, len(self._steps) + 1)]
@@ -178,7 +181,7 @@ class StopRuntime:
                 if rule.uses_logit and logit is None:
                     continue  # the policy is not asked at this step (before its min_step)
                 stop = rule.decide(t, output[0] if len(output) == 1 else output, logit)
-            previous = output
+            previous = output if self._next_reads_output[i] else []
             n_stop = int(stop.sum())
             if not n_stop:
                 continue
