@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from conftest import ToyStepModel, ToyTask, oracle_kl
-from learn2stop.core import (SignalRule, StoppingModel, first_crossing, log_stop_time_distribution, run_with_early_exit,
+from learn2stop.core import (InferenceConfig, SignalRule, StoppingModel, first_crossing, log_stop_time_distribution, run_with_early_exit,
                              signal_trace, unroll)
 from learn2stop.core.distributions import log_oracle_distribution, replanned_log_q, stop_logits_from_distribution
 from learn2stop.core.rules import PriceSignal, make_signal
@@ -95,6 +95,9 @@ def test_the_loop_plans_twice_and_stops_where_the_trace_says(batch):
         if (expected > s2).any():  # a sample past s2 was planned past it first, so planned again
             assert len(kinds) == 2 and planner.asked[1][2] <= int((expected >= s2).sum())
         depths.add(float(expected.float().mean()))
+        with torch.no_grad():  # validation's reading: the full rollout's two plans, no second policy call
+            full_plans = unroll(model, y, policy=planner)
+        assert torch.equal(InferenceConfig(rule="price", param=price).stop_times(full_plans), expected)
     assert len(depths) > 2 or batch == 1
 
 

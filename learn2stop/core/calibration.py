@@ -90,9 +90,15 @@ class InferenceConfig:
             raise ValueError(f"stop times of the {self.rule!r} rule need the outputs; use signal_trace")
         if rollout.stop_logits is None:
             raise ValueError("this rule needs a policy's stop logits; the rollout has none")
+        if rollout.replan_log_q is not None and (self.sampled or self.rule not in PLANNING_RULES):
+            raise ValueError(f"the rollout's policy plans twice; its second plan is read by the price rule, not "
+                             f"{'sampled inference' if self.sampled else f'the {self.rule} rule'}")
         if self.sampled:
             return sampled_stop_times(rollout.stop_logits, generator)
-        return first_crossing(policy_scores(rollout.stop_logits, self.rule), SIGNALS[self.rule].from_param(self.param))
+        scores = policy_scores(rollout.stop_logits, self.rule)
+        if rollout.replan_log_q is not None:
+            scores = SIGNALS[self.rule].revise(scores, rollout.replan_log_q, rollout.replan_step)
+        return first_crossing(scores, SIGNALS[self.rule].from_param(self.param))
 
 
 #: each rule's parameter: (test, what it must be); a calibration may also hold inf (never stop early)

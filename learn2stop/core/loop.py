@@ -125,6 +125,7 @@ class Rollout:
             policy that plans twice, those of its first plan.
         replan_log_q: (B, T) a re-planning policy's second plan in a full unroll (log q_phi of steps
             ``replan_step``..T given the run so far); None otherwise.
+        replan_step: the step of that second plan; None without one.
     """
 
     outputs: Any
@@ -135,6 +136,7 @@ class Rollout:
     stop_logits: Tensor | None = None
     extras: dict = field(default_factory=dict)
     replan_log_q: Tensor | None = None
+    replan_step: int | None = None
 
     @property
     def steps_computed(self) -> int:
@@ -217,6 +219,7 @@ def unroll(
         stop_logits=None if policy is None else planned if planned is not None else
         torch.stack(logits, dim=1) if logits else torch.full((B, T - 1), NEVER_STOP_LOGIT, device=device),
         replan_log_q=replanned,
+        replan_step=replan_at if replanned is not None else None,
     )
 
 
@@ -279,6 +282,13 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
         if t < T:
             stop_times[idx] = t
 
+    def lead(k: int, *trees: Any) -> list[Any]:
+        """Keep the first k running rows (planned mode: they are the ones going on); ``trees`` follow them."""
+        nonlocal active, state, inputs
+        keep = slice(0, k)
+        active, state, inputs = active[keep], tree_select(state, keep), tree_select(inputs, keep)
+        return [None if x is None else tree_select(x, keep) for x in trees]
+
     def plan(t: int, output: Any, previous: Any = None, again: bool = False) -> Any:
         """Ask a planning rule (``again``: for its second plan); sort the running rows by planned depth (the
         output too, if any)."""
@@ -303,10 +313,7 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
     output = None
     for t in range(1, T + 1):
         if remaining is not None and remaining[t - 1] < active.numel():  # planned mode: keep the leading rows
-            keep = slice(0, remaining[t - 1])
-            active, state, inputs = active[keep], tree_select(state, keep), tree_select(inputs, keep)
-            if previous is not None:
-                previous = tree_select(previous, keep)
+            previous, = lead(remaining[t - 1], previous)
         state, output = _step(model, t, state, inputs)
         if t == T:
             finish(slice(None), output, T)
@@ -321,9 +328,7 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
                     break
             if t == replan_step:  # the rows still running are planned again (and sorted), from the run so far
                 if left < n:
-                    keep = slice(0, left)
-                    active, state, inputs = active[keep], tree_select(state, keep), tree_select(inputs, keep)
-                    output, previous = tree_select(output, keep), tree_select(previous, keep)
+                    output, previous = lead(left, output, previous)
                 output = plan(t, output, previous, again=True)
                 previous = None
                 n, left = active.numel(), remaining[t]
@@ -500,9 +505,9 @@ def check_replan_step(plan_step: int | None, replan_step: int | None, T: int) ->
                          f"({T}); got {replan_step!r}")
 
 
-def replan_log_q(policy: nn.Module, inputs: Any, output: Any, previous: Any, t: int, B: int, T: int) -> Tensor:
-    """A re-planning policy's second plan at t = ``replan_step``: (B, T) log q_phi, renormalised on steps t..T
-    and very unlikely (finite, so that differences stay defined) before them."""
+def replan_scores_late(policy: nn.Module, inputs: Any, output: Any, previous: Any, t: int, B: int, T: int) -> Tensor:
+    """A re-planning policy's second plan at t = ``replan_step`` as it returns it, steps t..T only: (B, T - t + 1)
+    log q_phi up to a constant per row (what an argmax reads; checked once per rollout)."""
     log_q = policy.replan_log_q(inputs, output, previous, t)
     if log_q.shape != (B, T):
         raise ValueError(f"a planning policy's replan_log_q (replan_step={t}) must return log q_phi of steps 1..T, "
@@ -510,6 +515,13 @@ def replan_log_q(policy: nn.Module, inputs: Any, output: Any, previous: Any, t: 
     late = log_q[:, t - 1:].float()
     if not bool(torch.isfinite(late).all()):
         raise ValueError(f"the planning policy returned NaN or inf log q_phi at its replan step {t}")
+    return late
+
+
+def replan_log_q(policy: nn.Module, inputs: Any, output: Any, previous: Any, t: int, B: int, T: int) -> Tensor:
+    """A re-planning policy's second plan at t = ``replan_step``: (B, T) log q_phi, renormalised on steps t..T
+    and very unlikely (finite, so that differences stay defined) before them."""
+    late = replan_scores_late(policy, inputs, output, previous, t, B, T)
     return torch.cat([late.new_full((B, t - 1), REPLAN_PAST_LOG_Q), torch.log_softmax(late, dim=1)], dim=1)
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .loop import StepView, _policy_logits, member, planned_log_q, planned_logits, replan_log_q
+from .loop import StepView, _policy_logits, member, planned_log_q, planned_logits, replan_log_q, replan_scores_late
 from .trees import tree_leaves
 
 
@@ -205,21 +205,24 @@ class PriceSignal(_LowerStops, _PolicyBased):
         """At the second plan's step s, for the samples still running: argmax_{t >= s} log q2(t) - price * t / T."""
         if threshold == math.inf:
             return torch.full((view.index.numel(),), view.num_steps, dtype=torch.long, device=view.index.device)
-        log_q = replan_log_q(self.policy, view.inputs, view.output, view.previous_output, view.t,
-                             view.index.numel(), view.num_steps)
-        T = log_q.shape[1]
-        c = torch.arange(1, T + 1, dtype=log_q.dtype, device=log_q.device) / T
-        return (log_q[:, view.t - 1:] + threshold * c[view.t - 1:]).argmax(dim=1) + view.t
+        late = replan_scores_late(self.policy, view.inputs, view.output, view.previous_output, view.t,
+                                  view.index.numel(), view.num_steps)  # steps t..T; a constant per row is no matter
+        T = view.num_steps
+        c = torch.arange(view.t, T + 1, dtype=late.dtype, device=late.device) / T
+        return (late + threshold * c).argmax(dim=1) + view.t
 
     def replan_scores(self, scores: Tensor, view: StepView) -> Tensor:
         """The (B, T-1) scores of the first plan (:meth:`plan_scores`) revised by the second, made at step s =
         view.t: a sample stops by t >= s at a price if its first plan stopped by s, or its second by t, so its
         score there is the larger of the two (the online rule's first crossing, offline)."""
-        s = view.t
-        second = self.envelope(replan_log_q(self.policy, view.inputs, view.output, view.previous_output, s,
-                                            view.index.numel(), view.num_steps))
+        return self.revise(scores, replan_log_q(self.policy, view.inputs, view.output, view.previous_output, view.t,
+                                                view.index.numel(), view.num_steps), view.t)
+
+    @staticmethod
+    def revise(scores: Tensor, log_q2: Tensor, s: int) -> Tensor:
+        """First-plan scores (B, T-1) revised by a second plan's (B, T) log q made at step s (see :meth:`replan_scores`)."""
         out = scores.clone()
-        out[:, s - 1:] = torch.maximum(scores[:, s - 1:s], second[:, s - 1:])
+        out[:, s - 1:] = torch.maximum(scores[:, s - 1:s], PriceSignal.envelope(log_q2)[:, s - 1:])
         return out
 
     def __call__(self, view: StepView) -> Tensor:

@@ -40,7 +40,6 @@ from .distributions import exit_costs
 from .model import StoppingModel
 from .trees import tree_map
 from .objectives import NonFiniteError, StageConfig, StageObjective
-from .loop import member
 from .rules import first_crossing, signal_trace
 
 
@@ -117,19 +116,16 @@ def validation_scores(sm: StoppingModel, batches: Iterable[tuple[Any, Any]], los
     totals: dict[str, float] = {"last": 0.0, "oracle": 0.0, "policy": 0.0, "depth": 0.0}
     n = 0
     gen = torch.Generator().manual_seed(seed)
-    # a policy rule's stop times are read off the rollout's stop logits, except a second plan's: its online rule
-    # is not the first crossing of one q_phi's scores, so it is traced like a classical rule
-    read_logits = inference.uses_policy and (inference.sampled or member(sm.policy, "replan_step") is None)
     for inputs, target in batches:
         # One full rollout scores all three: early exit returns exactly the full-depth output at
         # the rule's stop time, so its loss is read off the per-step losses.
-        r = sm.unroll(inputs, target, loss_fn, keep_outputs=not read_logits)
+        r = sm.unroll(inputs, target, loss_fn, keep_outputs=not inference.uses_policy)
         b = r.losses.shape[0]
         totals["last"] += float(r.losses[:, -1].sum())
         priced = r.losses if costs is None else r.losses + costs.to(r.losses)[None]
         totals["oracle"] += float(priced.min(dim=1).values.sum())
         if sm.policy is not None:
-            if read_logits:
+            if inference.uses_policy:
                 stop = inference.stop_times(r, gen)
             else:
                 signal = inference.signal(sm.policy)

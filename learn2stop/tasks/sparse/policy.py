@@ -145,8 +145,8 @@ class SparseDepthPlanner(MinStep, nn.Module):
         self.register_buffer("_minus", torch.tensor([0, 4]), persistent=False)  # log-norm ratios: [1, 2] - [0, 4]
         self.net = _mlp(self.in_dim, hidden, num_steps)
         # the second head: steps s2..T from the state at s2. Its inputs are standardised by the statistics of the
-        # training batches (theta is frozen in Stage II, so they do not drift): on the quick problem that is worth
-        # 0.03-0.04 dB at 70-90 % of the steps (benchmarks/sparse_replan_probe.py, with and without it).
+        # training batches (theta is frozen in Stage II, so they do not drift): on the quick problem, Stage II
+        # without it came out 0.03-0.09 dB lower at 70-90 % of the steps (docs/sparse.md).
         self.replan_norm = nn.BatchNorm1d(self.replan_dim, affine=False, momentum=None) if replan else None
         self.replan_net = _mlp(self.replan_dim, hidden, num_steps) if replan else None  # read from s2 on
 
@@ -193,7 +193,9 @@ class SparseDepthPlanner(MinStep, nn.Module):
         from the state at t and the one before it."""
         if self.replan_net is None or self.replan_step is None or t != self.replan_step:
             raise ValueError(f"this planner plans again only at its replan_step ({self.replan_step}); asked at step {t}")
-        h = self.replan_norm(self.extract_late(y, x, previous))
+        h, norm = self.extract_late(y, x, previous), self.replan_norm
+        # training: the module (batch statistics, and it gathers them); inference: the gathered ones, functionally
+        h = norm(h) if self.training else F.batch_norm(h, norm.running_mean, norm.running_var, eps=norm.eps)
         for layer in self.replan_net:
             h = F.linear(h, layer.weight, layer.bias) if isinstance(layer, nn.Linear) else F.elu(h)
         return h  # logits of steps 1..T; the loop renormalises them on t..T
