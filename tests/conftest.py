@@ -31,7 +31,8 @@ def randomise(module: nn.Module, seed: int, scale: float = 1.0) -> None:
 @pytest.fixture(scope="module")
 def tiny_lista():
     """A 7-step LISTA on a 13x27 problem, a per-step sketch policy asked from step 2, a depth planner that plans
-    at step 3 (both with random weights), and 41 measurements."""
+    at step 3 (both with random weights, in inference mode: the planner standardises its inputs by gathered
+    statistics there, by the batch's own in training), and 41 measurements."""
     from learn2stop.tasks.sparse.models import LISTA
     from learn2stop.tasks.sparse.policy import SparseDepthPlanner, SparseStopPolicy
 
@@ -43,7 +44,7 @@ def tiny_lista():
     planner = SparseDepthPlanner(A, 7, hidden=(16,))
     randomise(planner, 2)
     planner.min_step = 3
-    return LISTA(A, 7).eval(), policy, planner, torch.randn(41, 13, generator=g)
+    return LISTA(A, 7).eval(), policy.eval(), planner.eval(), torch.randn(41, 13, generator=g)
 
 
 class ToyStepModel(nn.Module):

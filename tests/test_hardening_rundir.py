@@ -16,7 +16,8 @@ from learn2stop.utils import rundir
 from learn2stop.utils.checkpoint import clean_stale_temp_files, load_checkpoint, save_checkpoint
 from learn2stop.utils.report import append_jsonl, write_json, write_text_atomic
 from learn2stop.utils.rundir import (ABSENT, RunDirError, RunLock, check_fingerprint, diff_fields, fingerprint,
-                                     move_aside, prepare_run_dir, read_fingerprint, truncate_metrics, write_fingerprint)
+                                     move_aside, prepare_run_dir, read_fingerprint, truncate_metrics, with_earlier_values,
+                                     write_fingerprint)
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
@@ -150,6 +151,21 @@ def test_fingerprint_mismatch_shows_five_fields_then_a_count(tmp_path):
     with pytest.raises(RunDirError, match=r"f4=40; use|and 3 more field\(s\)") as e:
         check_fingerprint(tmp_path, {f"f{i}": 10 * i + 1 for i in range(8)}, "frontier")
     assert "f5" not in str(e.value) and "(and 3 more field(s))" in str(e.value)
+
+
+def test_a_field_added_with_a_new_default_is_read_at_its_earlier_value_in_older_runs(tmp_path):
+    """A run whose fingerprint predates a field was trained at the field's earlier value: asking for another (the
+    new default) is refused naming both values, asking for the earlier one passes, and the stored file is kept."""
+    write_fingerprint(tmp_path, FP)
+    earlier = {"policy.plan_inputs": "residual"}
+    new = {**FP, "policy": {"plan_inputs": "norms"}}
+    with pytest.raises(RunDirError, match=r'trained with policy\.plan_inputs="residual"; this \'frontier\' command '
+                                          r'asks for policy\.plan_inputs="norms"'):
+        check_fingerprint(tmp_path, new, "frontier", earlier)
+    assert check_fingerprint(tmp_path, {**FP, "policy": {"plan_inputs": "residual"}}, "frontier", earlier) is True
+    assert read_fingerprint(tmp_path) == FP
+    assert with_earlier_values({"policy": {"plan_inputs": "norms"}}, earlier) == {"policy": {"plan_inputs": "norms"}}
+    assert with_earlier_values(None, earlier) is None
 
 
 def test_fingerprint_is_written_once_and_never_overwritten(tmp_path):

@@ -159,20 +159,49 @@ def test_two_stage_training_beats_deep_supervision_baseline_on_tiny_problem(tmp_
 
 
 def test_the_depth_planner_features_are_the_documented_statistics():
-    """The planner's few-operation features equal their written-out definitions, and its functional MLP
-    equals the module's own forward."""
+    """The planner's few-operation features equal their written-out definitions (both input sets), and its
+    functional head equals the modules' own forward, at inference and in training."""
     from learn2stop.tasks.sparse.policy import SparseDepthPlanner
 
     g = torch.Generator().manual_seed(0)
     A = torch.randn(12, 20, generator=g) / 4
-    planner = SparseDepthPlanner(A, num_steps=6, hidden=(16,))
     y = torch.randn(5, 12, generator=g)
     x = torch.randn(5, 20, generator=g) * (torch.rand(5, 20, generator=g) < 0.3)
+    support = (x != 0).float().mean(1, keepdim=True)
+
+    residual = SparseDepthPlanner(A, num_steps=6, hidden=(16,), inputs="residual")
     r = y - x @ A.T
     g_ = r @ A
     logs = torch.log(torch.stack([y.norm(dim=1), r.norm(dim=1), g_.norm(dim=1), x.abs().sum(1), x.norm(dim=1)], 1) + 1e-6)
-    expected = torch.cat([logs, (logs[:, 1] - logs[:, 0])[:, None], (logs[:, 2] - logs[:, 4])[:, None],
-                          (x != 0).float().mean(1, keepdim=True)], dim=1)
-    torch.testing.assert_close(planner.extract(y, x), expected)
-    torch.testing.assert_close(planner.plan_log_q(y, x, 1), torch.log_softmax(planner.net(expected), dim=1))
-    assert "_minus" not in planner.state_dict()  # a constant, not state: checkpoints are unchanged
+    expected = torch.cat([logs, (logs[:, 1] - logs[:, 0])[:, None], (logs[:, 2] - logs[:, 4])[:, None], support], dim=1)
+    torch.testing.assert_close(residual.extract(y, x), expected)
+    torch.testing.assert_close(residual.plan_log_q(y, x, 1), torch.log_softmax(residual.net(expected), dim=1))
+    assert "_minus" not in residual.state_dict()  # a constant, not state: checkpoints are unchanged
+
+    norms = SparseDepthPlanner(A, num_steps=6, hidden=(16,))  # the default: no product with A
+    assert norms.inputs == "norms" and "A" not in norms.state_dict()
+    expected = torch.cat([torch.log(torch.stack([x.abs().sum(1), x.norm(dim=1), y.norm(dim=1)], 1) + 1e-6), support], 1)
+    torch.testing.assert_close(norms.extract(y, x), expected)
+    norms.train()
+    torch.testing.assert_close(norms.plan_log_q(y, x, 1), torch.log_softmax(norms.net(norms.plan_norm(expected)), 1))
+    assert norms.plan_norm.num_batches_tracked == 2  # training gathers the batch statistics ...
+    norms.eval()
+    standard = (expected - norms.plan_norm.running_mean) / (norms.plan_norm.running_var + norms.plan_norm.eps).sqrt()
+    torch.testing.assert_close(norms.plan_log_q(y, x, 1), torch.log_softmax(norms.net(standard), 1))  # ... and uses them
+    with pytest.raises(ValueError, match="inputs must be one of"):
+        SparseDepthPlanner(A, 6, inputs="sketch")
+
+
+def test_a_planner_checkpoint_names_the_statistics_it_was_trained_on():
+    """A checkpoint of the residual planner (made before the norms existed, so without the key) refuses to load
+    into a norms planner, naming the config field; into a residual planner it loads."""
+    from learn2stop.tasks.sparse.policy import SparseDepthPlanner
+
+    A = torch.randn(6, 12)
+    old = SparseDepthPlanner(A, 8, hidden=(5,), inputs="residual").state_dict()
+    old["_extra_state"].pop("inputs")  # as written until 2026-11-27
+    with pytest.raises(ValueError, match="set policy.plan_inputs residual"):
+        SparseDepthPlanner(A, 8, hidden=(5,)).load_state_dict(old)
+    SparseDepthPlanner(A, 8, hidden=(5,), inputs="residual").load_state_dict(old)
+    with pytest.raises(ValueError, match="set policy.plan_inputs norms"):
+        SparseDepthPlanner(A, 8, hidden=(5,), inputs="residual").load_state_dict(SparseDepthPlanner(A, 8, hidden=(5,)).state_dict())

@@ -119,7 +119,8 @@ class RunContext:
         """
         from ..utils.checkpoint import clean_stale_temp_files
         from ..utils.rundir import (RunDirError, RunLock, check_fingerprint, drop_added_defaults, keep_trained_values,
-                                    move_aside, prepare_run_dir, read_fingerprint, write_fingerprint)
+                                    move_aside, prepare_run_dir, read_fingerprint, with_earlier_values,
+                                    write_fingerprint)
 
         if getattr(self, "_prepared", None) is not None:
             return  # a command calling another (reproduce -> train) prepares once
@@ -140,7 +141,9 @@ class RunContext:
                 # nothing trained yet (a first attempt that failed early): the settings are still free
                 (self.run_dir / "fingerprint.json").unlink(missing_ok=True)
             task = task_of_config(cfg)
-            stored = read_fingerprint(self.run_dir)
+            # fields added since with a new default: a run that predates them was trained at these values
+            earlier = getattr(type(cfg), "earlier_values", {})
+            stored = with_earlier_values(read_fingerprint(self.run_dir), earlier)
             owner = run_owner(self.run_dir, stored)
             if task and owner and owner != task:
                 raise RunDirError(f"run directory {self.run_dir} belongs to task {owner}; use 'learn2stop {owner} "
@@ -149,7 +152,7 @@ class RunContext:
                 for name, old, new in keep_trained_values(fp, stored, getattr(type(cfg), "location_fields", ())):
                     self.log(f"{name}: reading {new!r} (the run was trained on {old!r})")
             drop_added_defaults(fp, stored, run_fingerprint(type(cfg)()))  # fields added since, at their defaults
-            known = check_fingerprint(self.run_dir, fp, command)
+            known = check_fingerprint(self.run_dir, fp, command, earlier)
             if trained and not known:
                 raise RunDirError(f"run directory {self.run_dir} has checkpoints but no fingerprint.json, so the "
                                   f"settings they were trained with cannot be checked; restore the file or use a "

@@ -327,6 +327,28 @@ def drop_added_defaults(fields: dict, stored: dict | None, defaults: dict) -> li
     return dropped
 
 
+def with_earlier_values(stored: dict | None, earlier: dict[str, Any]) -> dict | None:
+    """``stored`` with each dotted field of ``earlier`` it lacks set to the value there: a field added to the library
+    with a new default, at the value a run whose fingerprint predates it was trained with.
+
+    Example:
+        >>> with_earlier_values({"policy": {"hidden": [64]}}, {"policy.inputs": "residual"})
+        {'policy': {'hidden': [64], 'inputs': 'residual'}}
+    """
+    if stored is None or not earlier:
+        return stored
+    out = json.loads(json.dumps(stored))
+    have = _flatten(_plain(out, ""))
+    for name, value in earlier.items():
+        if name not in have:
+            node = out
+            *parents, leaf = name.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = _plain(value, name)
+    return out
+
+
 def read_fingerprint(run_dir: str | os.PathLike) -> dict | None:
     """The fields stored in ``<run_dir>/fingerprint.json``, or None if there is none yet."""
     path = Path(run_dir) / FINGERPRINT_FILE
@@ -347,14 +369,15 @@ def _show(value: Any) -> str:
     return repr(value) if value is ABSENT else json.dumps(value)
 
 
-def check_fingerprint(run_dir: str | os.PathLike, data: dict, command: str = "") -> bool:
-    """Compare ``data`` with the run's stored fingerprint; True if it matches, False if none is stored.
+def check_fingerprint(run_dir: str | os.PathLike, data: dict, command: str = "", earlier: dict | None = None) -> bool:
+    """Compare ``data`` with the run's stored fingerprint (its fields completed by ``earlier``: see
+    :func:`with_earlier_values`); True if it matches, False if none is stored.
 
     Raises:
         RunDirError: the run was made under other settings; the message lists up to 5 differing
             fields with their old and new values.
     """
-    stored = read_fingerprint(run_dir)
+    stored = with_earlier_values(read_fingerprint(run_dir), earlier or {})
     if stored is None:
         return False
     diffs = diff_fields(stored, data)

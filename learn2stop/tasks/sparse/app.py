@@ -50,7 +50,7 @@ class SparseApp(StoppingApp):
             lista = LISTA(task.A, L.num_steps, L.L, L.rho, L.shrinkage)
             p = cfg.policy
             policy = (None if key.startswith("baseline")
-                      else SparseDepthPlanner(task.A, L.num_steps, p.hidden, replan=p.replan_mass > 0)
+                      else SparseDepthPlanner(task.A, L.num_steps, p.hidden, replan=p.replan_mass > 0, inputs=p.plan_inputs)
                       if p.features == "plan" else SparseStopPolicy(task.A, L.num_steps, p.features, p.sketch_dim, p.hidden, seed=cfg.seed))
             out[key] = StoppingModel(lista, policy).to(device)
         return out

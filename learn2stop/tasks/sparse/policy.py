@@ -105,16 +105,29 @@ def _mlp(width: int, hidden: tuple[int, ...], out: int) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(width, out))
 
 
+def _head(h: Tensor, norm: nn.BatchNorm1d | None, net: nn.Sequential, training: bool) -> Tensor:
+    """An MLP on features standardised by ``norm`` (if any). Training: the module (batch statistics, and it gathers
+    them); inference: the gathered ones and the layers run functionally (no module calls on the hot path)."""
+    if norm is not None:
+        h = norm(h) if training else F.batch_norm(h, norm.running_mean, norm.running_var, eps=norm.eps)
+    for layer in net:
+        h = F.linear(h, layer.weight, layer.bias) if isinstance(layer, nn.Linear) else F.elu(h)
+    return h
+
+
 class SparseDepthPlanner(MinStep, nn.Module):
     """q_phi(t | y, x_s) for t = 1..T from the state at step s = ``plan_step``: a planning policy.
 
-    Features (8 per sample, computed once): log ||y||, log ||r|| and log ||A^T r|| with r = y - A x_s
-    (the noise level, and the size of the gradient: how far an ISTA step would still move x_s, what a
-    tolerance test watches), their ratios to ||y|| and ||x_s||, log ||x_s||_1, log ||x_s||_2 and the
-    support fraction of x_s (from the shrinkage the step just did). Cost: two products with A, once per
-    sample (about 2/3 of one LISTA layer of the quick size), against ~T per-step calls of a stepwise
-    policy. (The move of a whole ISTA step from x_s as a ninth feature cost a fifth more and gained
-    nothing on the quick frontier.)
+    Its inputs (``inputs``), computed once per sample:
+
+    - ``"norms"`` (default): four statistics with no product with A: log ||x_s||_1, log ||x_s||_2, the support
+      fraction of x_s (from the shrinkage the step just did) and log ||y||, standardised by the statistics of the
+      training batches. A few reductions over x_s: about a tenth of a LISTA step at batch 1000 where the residual
+      statistics cost 0.8 of one. Fitted offline on the quick and ``paper-cpu`` runs they plan as well as the
+      residual statistics (within 0.01-0.02 dB at 60-90 % of the steps: docs/sparse.md).
+    - ``"residual"`` (the planner until 2026-11-27): eight statistics, log ||y||, log ||r|| and log ||A^T r|| with
+      r = y - A x_s (the noise level, and how far an ISTA step would still move x_s), their ratios to ||y|| and
+      ||x_s||, log ||x_s||_1, log ||x_s||_2 and the support fraction; two products with A per sample.
 
     Returns the (B, T-1) stop logits of steps 1..T-1 that induce the planned q_phi
     (:func:`~learn2stop.core.distributions.stop_logits_from_distribution`), so every Stage II loss and
@@ -131,19 +144,26 @@ class SparseDepthPlanner(MinStep, nn.Module):
         num_steps: T.
         hidden: widths of the MLPs.
         replan: give it the second head.
+        inputs: ``"norms"`` or ``"residual"``, the first plan's statistics (above).
     """
 
-    in_dim = 8
+    dims = {"norms": 4, "residual": 8}
     replan_dim = 6
 
-    def __init__(self, A: Tensor, num_steps: int, hidden: tuple[int, ...] = (64, 64), replan: bool = False):
+    def __init__(self, A: Tensor, num_steps: int, hidden: tuple[int, ...] = (64, 64), replan: bool = False,
+                 inputs: str = "norms"):
         super().__init__()
-        self.num_steps = num_steps
+        if inputs not in self.dims:
+            raise ValueError(f"inputs must be one of {sorted(self.dims)}; got {inputs!r}")
+        self.num_steps, self.inputs = num_steps, inputs
         self.min_step = 1
         self.replan_step: int | None = None
-        self.register_buffer("A", A.clone())
-        self.register_buffer("_minus", torch.tensor([0, 4]), persistent=False)  # log-norm ratios: [1, 2] - [0, 4]
-        self.net = _mlp(self.in_dim, hidden, num_steps)
+        if inputs == "residual":
+            self.register_buffer("A", A.clone())
+            self.register_buffer("_minus", torch.tensor([0, 4]), persistent=False)  # log-norm ratios: [1, 2] - [0, 4]
+        # the norms are standardised by the training batches' statistics, as the second head's (below)
+        self.plan_norm = nn.BatchNorm1d(self.dims[inputs], affine=False, momentum=0.01) if inputs == "norms" else None
+        self.net = _mlp(self.dims[inputs], hidden, num_steps)
         # the second head: steps s2..T from the state at s2. Its inputs are standardised by the statistics of the
         # training batches (theta is frozen in Stage II, so they do not drift): on the quick problem, Stage II
         # without it came out 0.03-0.09 dB lower at 70-90 % of the steps (docs/sparse.md).
@@ -151,14 +171,21 @@ class SparseDepthPlanner(MinStep, nn.Module):
         self.replan_net = _mlp(self.replan_dim, hidden, num_steps) if replan else None  # read from s2 on
 
     @property
+    def in_dim(self) -> int:
+        return self.dims[self.inputs]
+
+    @property
     def plan_step(self) -> int:
         """The step at which the depth is planned (``min_step``: the oracle never stops before it)."""
         return self.min_step
 
     def extract(self, y: Tensor, x: Tensor) -> Tensor:
-        """The (B, 8) features of the state x = x_s. Written in few operations: at batch 1 each costs its
-        dispatch (a few microseconds), and this runs once per sample on the inference path."""
+        """The (B, ``in_dim``) raw features of the state x = x_s (see the class text). Written in few operations: at
+        batch 1 each costs its dispatch (a few microseconds), and this runs once per sample on the inference path."""
         norm = torch.linalg.vector_norm
+        if self.inputs == "norms":
+            logs = torch.stack([x.abs().sum(dim=1), norm(x, dim=1), norm(y, dim=1)], dim=1).add(1e-6).log()
+            return torch.cat([logs, (support_size(x) / x.shape[1])[:, None]], dim=1)
         r = y - x @ self.A.t()  # (B, m) residual (not addmm: its rounding differs, and so would the plans)
         g = r @ self.A  # (B, n) minus the gradient of 1/2 ||y - A x||^2
         stats = torch.stack([norm(y, dim=1), norm(r, dim=1), norm(g, dim=1), x.abs().sum(dim=1), norm(x, dim=1),
@@ -170,10 +197,7 @@ class SparseDepthPlanner(MinStep, nn.Module):
     def plan_log_q(self, y: Tensor, x: Tensor, t: int) -> Tensor:
         """The planned (B, T) log q_phi (the price rule reads it directly); the MLP run functionally (no
         module calls on the hot path)."""
-        h = self.extract(y, x)
-        for layer in self.net:
-            h = F.linear(h, layer.weight, layer.bias) if isinstance(layer, nn.Linear) else F.elu(h)
-        return torch.log_softmax(h, dim=1)
+        return torch.log_softmax(_head(self.extract(y, x), self.plan_norm, self.net, self.training), dim=1)
 
     def forward(self, y: Tensor, x: Tensor, t: int) -> Tensor:
         from ...core.distributions import stop_logits_from_distribution
@@ -193,18 +217,18 @@ class SparseDepthPlanner(MinStep, nn.Module):
         from the state at t and the one before it."""
         if self.replan_net is None or self.replan_step is None or t != self.replan_step:
             raise ValueError(f"this planner plans again only at its replan_step ({self.replan_step}); asked at step {t}")
-        h, norm = self.extract_late(y, x, previous), self.replan_norm
-        # training: the module (batch statistics, and it gathers them); inference: the gathered ones, functionally
-        h = norm(h) if self.training else F.batch_norm(h, norm.running_mean, norm.running_var, eps=norm.eps)
-        for layer in self.replan_net:
-            h = F.linear(h, layer.weight, layer.bias) if isinstance(layer, nn.Linear) else F.elu(h)
-        return h  # logits of steps 1..T; the loop renormalises them on t..T
+        # logits of steps 1..T; the loop renormalises them on t..T
+        return _head(self.extract_late(y, x, previous), self.replan_norm, self.replan_net, self.training)
 
     def get_extra_state(self) -> dict:
-        return {**super().get_extra_state(), "replan_step": self.replan_step}
+        return {**super().get_extra_state(), "replan_step": self.replan_step, "inputs": self.inputs}
 
     def set_extra_state(self, state: dict) -> None:
         super().set_extra_state(state)
+        inputs = state.get("inputs", "residual")  # absent in checkpoints of the residual planner (until 2026-11-27)
+        if inputs != self.inputs:
+            raise ValueError(f"the checkpoint's planner reads the {inputs!r} statistics and this one is built for "
+                             f"{self.inputs!r} (set policy.plan_inputs {inputs})")
         again = state.get("replan_step")  # absent in checkpoints of one plan
         if again is not None and self.replan_net is None:
             raise ValueError(f"the checkpoint plans again at step {again}, and this planner has no second head "
