@@ -1,18 +1,20 @@
 """What the sparse depth planner costs, in LISTA steps, and what the deployed rule gains in time, side by side.
 
     python benchmarks/sparse_planner_cost.py --run-dir runs/sparse-quick --threads 1
+    python benchmarks/sparse_planner_cost.py --run-dir runs/sparse-quick --run-dir runs/other --threads 1
     python benchmarks/sparse_planner_cost.py --tiny        # a smoke run (the tests use it)
 
-On a trained run (its ``stage2`` planner, ``baseline`` LISTA and ``calibration.json``) and its test problems in a
-fixed random order, at batch 1 and at a large batch:
+On trained runs (each with its ``stage2`` planner and ``calibration.json``; the first run's ``baseline`` LISTA and
+test problems, in a fixed random order) at batch 1 and at a large batch:
 
-- the planner's parts against one LISTA step (step 6 on the state of step 5): its features (two products with A:
-  about 2/3 of a step's multiply-adds), the whole plan the price rule makes (features, MLP, argmax), and the same
-  plan with the support size counted as the 0-norm (the planner's form until e3e6552) for reference;
-- whole rollouts: LISTA at full depth, the stop model at a fixed depth (``--fixed``), and the deployed price rule,
-  once with each support count.
+- each planner's parts against one LISTA step (step s+1 on the state of step s): its features, the first plan
+  the price rule makes (features, MLP, argmax), and its second plan where it has one;
+- whole rollouts: LISTA at full depth, the first run's stop model at a fixed depth (``--fixed``), and for each run
+  the deployed price rule and the same rollout with its stop times given in advance (``StopAtTimes``: a free plan,
+  what the loop's shrinking batch alone gives; the gap to the deployed rule is what planning costs in place).
 
-Each time is the best of ``--rounds`` round-robin passes (a drift in the machine's load hits every row alike).
+Runs compared must share the problem (the first run's test inputs feed every model). Each time is the best of
+``--rounds`` round-robin passes (a drift in the machine's load hits every row alike).
 """
 from __future__ import annotations
 
@@ -23,18 +25,12 @@ from pathlib import Path
 
 import torch
 
-from learn2stop.core.evaluation import measure_speed
 from learn2stop.core.loop import StepView, run_with_early_exit
 from learn2stop.core.pipeline import load_stage, shuffled
-from learn2stop.core.rules import FixedDepth, SignalRule, make_signal
-from learn2stop.tasks.sparse import policy as planner_module
+from learn2stop.core.rules import FixedDepth, SignalRule, StopAtTimes, make_signal
 from learn2stop.tasks.sparse.app import APP
 from learn2stop.tasks.sparse.config import SparseConfig
-from learn2stop.utils.config import from_dict, load_yaml
-
-
-def zero_norm(x: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(x, 0, dim=1)
+from learn2stop.utils.config import load_run_config
 
 
 def _timed(fn, inner: int) -> float:
@@ -44,10 +40,27 @@ def _timed(fn, inner: int) -> float:
     return (time.perf_counter() - t0) / inner
 
 
+def _tiny() -> tuple[list[tuple[str, object, float]], torch.nn.Module, torch.Tensor]:
+    """Two 4-step random stop models (one plan from the norms, two plans from the residual) on a 20x40 problem."""
+    from learn2stop.core.model import StoppingModel
+    from learn2stop.tasks.sparse.models import LISTA
+    from learn2stop.tasks.sparse.policy import SparseDepthPlanner
+
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(20, 40, generator=g) / 20 ** 0.5
+    lista = LISTA(A, 4).eval()
+    one = SparseDepthPlanner(A, 4, hidden=(8,)).eval()
+    two = SparseDepthPlanner(A, 4, hidden=(8,), replan=True, inputs="residual").eval()
+    one.min_step, two.min_step, two.replan_step = 2, 1, 3
+    runs = [("norms, one plan", StoppingModel(lista, one).eval(), 0.5),
+            ("residual, two plans", StoppingModel(lista, two).eval(), 0.5)]
+    return runs, LISTA(A, 4).eval(), torch.randn(64, 20, generator=g)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run-dir", help="a trained sparse run (reproduce or train)")
-    ap.add_argument("--tiny", action="store_true", help="a 4-step random model on a 20x40 problem (smoke run)")
+    ap.add_argument("--run-dir", action="append", help="a trained sparse run (reproduce or train); repeat to compare")
+    ap.add_argument("--tiny", action="store_true", help="two 4-step random models on a 20x40 problem (smoke run)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=1000, help="the large batch")
     ap.add_argument("--samples", type=int, default=300, help="inputs timed one by one at batch 1")
@@ -58,79 +71,72 @@ def main(argv=None) -> dict:
         ap.error("give --run-dir (a trained sparse run) or --tiny")
     torch.set_num_threads(args.threads)
     if args.tiny:
-        from learn2stop.core.model import StoppingModel
-        from learn2stop.tasks.sparse.models import LISTA
-        from learn2stop.tasks.sparse.policy import SparseDepthPlanner
-
-        g = torch.Generator().manual_seed(0)
-        A = torch.randn(20, 40, generator=g) / 20 ** 0.5
-        planner = SparseDepthPlanner(A, 4, hidden=(8,))
-        planner.min_step = 2
-        stop = StoppingModel(LISTA(A, 4), planner).eval()
-        base, threshold, inputs = LISTA(A, 4).eval(), 0.5, torch.randn(64, 20, generator=g)
+        runs, base, inputs = _tiny()
         args.batch, args.samples, args.fixed, args.rounds = 32, 8, 3, 1
     else:
-        run = Path(args.run_dir)
-        cfg = from_dict(SparseConfig, load_yaml(run / "config.yaml"))
-        stop, base = load_stage(APP, cfg, run, "stage2"), load_stage(APP, cfg, run, "baseline").model
-        cal = json.loads((run / "calibration.json").read_text())
-        if cal.get("rule") != "price":
-            raise SystemExit(f"{run / 'calibration.json'}: the deployed rule is {cal.get('rule')!r}; this benchmark "
-                             "times the price rule of a planning policy")
-        threshold, inputs = cal["threshold"], shuffled(APP.speed_inputs(cfg, None))
-    planner, model, T = stop.policy, stop.model, stop.model.num_steps
-    s = planner.plan_step
-    supports = {"sign-sum (now)": planner_module.support_size, "0-norm (before)": zero_norm}
-    price = lambda: SignalRule(make_signal("price", planner), threshold)  # noqa: E731
-    rows: dict[str, dict[int, float]] = {}
+        runs = []
+        for i, path in enumerate(map(Path, args.run_dir)):
+            cfg = load_run_config(SparseConfig, path)
+            cal = json.loads((path / "calibration.json").read_text())
+            if cal.get("rule") != "price":
+                raise SystemExit(f"{path / 'calibration.json'}: the deployed rule is {cal.get('rule')!r}; this "
+                                 "benchmark times the price rule of a planning policy")
+            runs.append((f"{path.name} ({cfg.policy.plan_inputs}, {'two plans' if cfg.policy.replan_mass else 'one plan'})",
+                         load_stage(APP, cfg, path, "stage2"), cal["threshold"]))
+            if i == 0:
+                base, inputs = load_stage(APP, cfg, path, "baseline").model, shuffled(APP.speed_inputs(cfg, None))
+    first = runs[0][1].model
+    T = first.num_steps
+    rows: dict[int, dict[str, float]] = {}
     for bs, n in ((1, args.samples), (args.batch, (inputs.shape[0] // args.batch) * args.batch or inputs.shape[0])):
-        data = inputs[:n]
-        y = data[:bs]
+        data, y, inner = inputs[:n], inputs[:bs], 200 if bs == 1 else 20
+        parts, rollouts, depths = {}, {f"LISTA-{T}, full depth": (base, lambda k: FixedDepth())}, {}
+        rollouts[f"stop model, fixed {args.fixed} steps"] = (first, lambda k: FixedDepth(args.fixed))
         with torch.inference_mode():
-            x = model.initial_state(y)
-            for t in range(1, s + 1):
-                x = model.step(t, x, y)
-            view = StepView(s, T, y, x, None, x, torch.arange(y.shape[0]))
-            inner = 200 if bs == 1 else 20
-            parts = {"one LISTA step": lambda: model.step(min(s + 1, T), x, y)}
-            for name, fn in supports.items():
-                parts[f"planner features, support {name}"] = (lambda f=fn: _with_support(f, planner.extract, y, x))
-                parts[f"the price rule's plan, support {name}"] = (lambda f=fn: _with_support(f, price().plan, view))
-            now = planner_module.support_size
-            runs = {f"LISTA-{T}, full depth": (base, lambda: FixedDepth(), now),
-                    f"stop model, fixed {args.fixed} steps": (model, lambda: FixedDepth(args.fixed), now)}
-            for name, fn in supports.items():
-                runs[f"deployed price rule, support {name}"] = (model, price, fn)
+            for name, stop, threshold in runs:
+                planner, model = stop.policy, stop.model
+                rule = (lambda p=planner, th=threshold: SignalRule(make_signal("price", p), th))  # noqa: E731
+                views, x, previous = {}, model.initial_state(y), None
+                for t in range(1, max(planner.plan_step, planner.replan_step or 0) + 1):
+                    previous, x = x, model.step(t, x, y)
+                    views[t] = StepView(t, T, y, x, previous, x, torch.arange(bs))
+                s = planner.plan_step
+                if not parts:
+                    parts["one LISTA step"] = (lambda v=views[s]: model.step(min(s + 1, T), v.state, y))
+                parts[f"{name}: features"] = (lambda v=views[s], p=planner: p.extract(y, v.state))
+                parts[f"{name}: first plan"] = (lambda v=views[s], r=rule(): r.plan(v))
+                if planner.replan_step is not None:
+                    parts[f"{name}: second plan"] = (lambda v=views[planner.replan_step], r=rule(): r.replan(v))
+                times = run_with_early_exit(model, data, rule()).stop_times
+                depths[name] = float(times.float().mean())
+                rollouts[f"{name}: deployed price rule"] = (model, lambda k, r=rule: r())
+                rollouts[f"{name}: its stop times given (free plan)"] = (
+                    model, lambda k, t=times: StopAtTimes(t[k * bs:(k + 1) * bs]))
             best: dict[str, float] = {}
             for r in range(args.rounds + 1):  # round-robin; the first pass warms up
                 for name, fn in parts.items():
                     v = _timed(fn, inner)
                     best[name] = min(best.get(name, 1e9), v if r else 1e9)
-                for name, (m, rule, sup) in runs.items():  # seconds per sample
-                    v = 1 / _with_support(sup, lambda: measure_speed(m, data, rule, bs, repeats=1, max_seconds=60.0,
-                                                                     warmup=r == 0))
+                for name, (m, rule) in rollouts.items():  # seconds per sample
+                    v = _rollouts(m, data, rule, bs)
                     best[name] = min(best.get(name, 1e9), v if r else 1e9)
-            depth = float(run_with_early_exit(model, data, price()).stop_times.float().mean())
-        step = best["one LISTA step"]
-        print(f"\nbatch {bs} (threads {args.threads}; rollouts over {n} problems, the rule's mean depth {depth:.2f}):")
+        step, full = best["one LISTA step"], best[f"LISTA-{T}, full depth"]
+        print(f"\nbatch {bs} (threads {args.threads}; rollouts over {n} problems; the rules' mean depths: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in depths.items()) + ")")
         print("| what | time | in LISTA steps | speed-up over full depth |\n|---|---|---|---|")
-        full = best[f"LISTA-{T}, full depth"]
         for name, v in best.items():
             per = v if name in parts else v * bs  # rollouts: per batch, as the parts
-            print(f"| {name} | {per * 1e3:.3f} ms | {per / step:.2f} | "
-                  f"{'' if name in parts else f'{full / v:.3f}x'} |")
+            print(f"| {name} | {per * 1e3:.3f} ms | {per / step:.2f} | {'' if name in parts else f'{full / v:.3f}x'} |")
         rows[bs] = best
     return rows
 
 
-def _with_support(fn, call, *a):
-    """Run ``call`` with the planner's support count replaced by ``fn`` (restored after)."""
-    saved = planner_module.support_size
-    planner_module.support_size = fn
-    try:
-        return call(*a)
-    finally:
-        planner_module.support_size = saved
+def _rollouts(model, data: torch.Tensor, rule, batch: int) -> float:
+    """Seconds per sample of early exit over ``data`` in consecutive batches, the k-th with ``rule(k)``."""
+    t0 = time.perf_counter()
+    for k, i in enumerate(range(0, data.shape[0], batch)):
+        run_with_early_exit(model, data[i:i + batch], rule(k))
+    return (time.perf_counter() - t0) / data.shape[0]
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from learn2stop.core.pipeline import load_stage
 from learn2stop.tasks.sparse.app import APP
 from learn2stop.tasks.sparse.config import SparseConfig
 from learn2stop.tasks.sparse.problem import ProblemConfig, fixed_set, make_matrix, sample_problems
-from learn2stop.utils.config import from_dict, load_yaml
+from learn2stop.utils.config import load_run_config
 
 
 def cheap_features(y: Tensor, x: Tensor, x_prev: Tensor, move: bool = True) -> Tensor:
@@ -136,7 +136,7 @@ def main(argv=None) -> dict[str, dict[float, float | None]]:
         args.replan_step, args.train_problems, args.iterations, args.hidden = 4, 400, 20, 8
     else:
         run = Path(args.run_dir)
-        cfg = from_dict(SparseConfig, load_yaml(run / "config.yaml"))
+        cfg = load_run_config(SparseConfig, run)
         sm = load_stage(APP, cfg, run, "stage2")
         model, planner, problem = sm.model, sm.policy, cfg.problem
         if getattr(planner, "plan_step", None) is None:

@@ -79,16 +79,16 @@ def test_device_check_out_of_time(tmp_path):
 
 
 def test_sparse_planner_cost_tiny(capsys):
-    """The planner's parts and the rollouts are timed at both batch sizes, each with both support counts; the
-    support count is restored after."""
-    from learn2stop.tasks.sparse import policy
-
-    saved = policy.support_size
+    """Two planners side by side (norms with one plan, residual with two): their parts and their rollouts, deployed
+    and with the same stop times given, are timed at both batch sizes."""
     rows = _load("sparse_planner_cost").main(["--tiny"])
-    assert set(rows) == {1, 32} and policy.support_size is saved
+    assert set(rows) == {1, 32}
     for best in rows.values():
-        assert {"one LISTA step", "planner features, support 0-norm (before)", "deployed price rule, support sign-sum (now)",
-                "stop model, fixed 3 steps", "LISTA-4, full depth"} <= set(best) and all(v > 0 for v in best.values())
+        assert {"one LISTA step", "norms, one plan: features", "norms, one plan: first plan",
+                "residual, two plans: second plan", "residual, two plans: deployed price rule",
+                "norms, one plan: its stop times given (free plan)", "stop model, fixed 3 steps",
+                "LISTA-4, full depth"} <= set(best) and all(v > 0 for v in best.values())
+        assert "norms, one plan: second plan" not in best
     assert "| in LISTA steps |" in capsys.readouterr().out
 
 

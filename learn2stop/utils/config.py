@@ -383,6 +383,14 @@ def _metavar(tp: Any) -> str:
     return name.upper()
 
 
+def load_run_config(cls: type, run_dir: str | Path) -> Any:
+    """The config a run was trained with, from its ``config.yaml``; a field added to the library since with a new
+    default is read at the value such a run had (``cls.earlier_values``: a run that predates it)."""
+    from .rundir import with_earlier_values
+
+    return from_dict(cls, with_earlier_values(load_yaml(Path(run_dir) / "config.yaml"), getattr(cls, "earlier_values", {})))
+
+
 def resolve(cls: type, preset: dict | None = None, yaml_path: str | None = None, overrides: dict | None = None) -> Any:
     """Defaults <- preset <- YAML file <- CLI overrides, merged field by field, then validated by building ``cls``."""
     data = to_dict(cls())
