@@ -4,6 +4,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from torch.nn import functional as F
 
 from learn2stop.core import StageConfig, StagedTrainer, StoppingModel, unroll, validation_scores
 from learn2stop.tasks.sparse import (
@@ -205,3 +206,27 @@ def test_a_planner_checkpoint_names_the_statistics_it_was_trained_on():
     SparseDepthPlanner(A, 8, hidden=(5,), inputs="residual").load_state_dict(old)
     with pytest.raises(ValueError, match="set policy.plan_inputs norms"):
         SparseDepthPlanner(A, 8, hidden=(5,), inputs="residual").load_state_dict(SparseDepthPlanner(A, 8, hidden=(5,)).state_dict())
+
+
+def test_a_planner_checkpoint_carries_its_activation():
+    """New planners use ReLU; a checkpoint without the key (the ELU planners until 2026-11-27) loads as ELU, and the
+    planner then plans as the ELU network it was trained as (its functional head and its modules agree)."""
+    from learn2stop.tasks.sparse.policy import SparseDepthPlanner
+
+    torch.manual_seed(3)
+    A, y, x = torch.randn(6, 12), torch.randn(4, 6), torch.randn(4, 12)
+    elu = SparseDepthPlanner(A, 8, hidden=(5, 5), activation="elu").eval()
+    old = elu.state_dict()
+    old["_extra_state"].pop("activation")
+    fresh = SparseDepthPlanner(A, 8, hidden=(5, 5)).eval()
+    assert fresh.activation == "relu" and isinstance(fresh.net[1], torch.nn.ReLU)
+    fresh.load_state_dict(old)
+    assert fresh.activation == "elu" and isinstance(fresh.net[1], torch.nn.ELU)
+    torch.testing.assert_close(fresh.plan_log_q(y, x, 1), elu.plan_log_q(y, x, 1))
+    relu = SparseDepthPlanner(A, 8, hidden=(5, 5)).eval()
+    relu.load_state_dict(elu.state_dict() | {"_extra_state": {**elu.state_dict()["_extra_state"], "activation": "relu"}})
+    assert not torch.allclose(relu.plan_log_q(y, x, 1), elu.plan_log_q(y, x, 1))  # the activation is what differs
+    standard = F.batch_norm(relu.extract(y, x), relu.plan_norm.running_mean, relu.plan_norm.running_var)
+    torch.testing.assert_close(relu.plan_log_q(y, x, 1), torch.log_softmax(relu.net(standard), 1))
+    with pytest.raises(ValueError, match="activation must be one of"):
+        SparseDepthPlanner(A, 8, activation="tanh")
