@@ -103,7 +103,7 @@ class SparseStopPolicy(MinStep, nn.Module):
 ACTIVATIONS = {"relu": (nn.ReLU, F.relu), "elu": (nn.ELU, F.elu)}
 
 
-def _mlp(width: int, hidden: tuple[int, ...], out: int, activation: str = "elu") -> nn.Sequential:
+def _mlp(width: int, hidden: tuple[int, ...], out: int, activation: str) -> nn.Sequential:
     layers = []
     for h in hidden:
         layers += [nn.Linear(width, h), ACTIVATIONS[activation][0]()]
@@ -173,7 +173,8 @@ class SparseDepthPlanner(MinStep, nn.Module):
         if inputs == "residual":
             self.register_buffer("A", A.clone())
             self.register_buffer("_minus", torch.tensor([0, 4]), persistent=False)  # log-norm ratios: [1, 2] - [0, 4]
-        # the norms are standardised by the training batches' statistics, as the second head's (below)
+        # the norms are standardised by the training batches' statistics, as the second head's inputs (below); by a
+        # moving average, since Stage III and AEVB train the first plan while theta moves
         self.plan_norm = nn.BatchNorm1d(self.dims[inputs], affine=False, momentum=0.01) if inputs == "norms" else None
         self.net = _mlp(self.dims[inputs], hidden, num_steps, activation)
         # the second head: steps s2..T from the state at s2. Its inputs are standardised by the statistics of the
