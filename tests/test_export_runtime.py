@@ -215,6 +215,29 @@ def test_planning_policy_fixes_the_depth_once(sparse_sm, tmp_path, rule, param):
     assert [s["policy"] for s in m["steps"]] == [None, None, "plan", None, None, None, None]
 
 
+@pytest.mark.parametrize("price", [-40.0, -3.0, 0.0, 0.7, 5.0, 60.0])
+def test_the_runtime_price_rule_reads_the_plan_by_argmax_as_the_envelope_says(price):
+    """Online the numpy price rule takes argmax_{s >= t} log q(s) - price s / T, the first crossing of its offline
+    scores (the O(T^3) envelope), for plans made at any step t; +inf never stops early."""
+    from learn2stop.runtime.rules import PriceRule
+
+    g = np.random.default_rng(int(abs(price) * 10))
+    rule = PriceRule(-price)
+    for t in (1, 3, 6):
+        plan = (g.normal(size=(200, 9)) * 3).astype(np.float32)
+        plan[:, :t - 1] = -50.0  # the runner's "cannot stop any more" before the plan step
+        by_scores = _first_crossing(rule, plan)
+        np.testing.assert_array_equal(rule.plan_stop_steps(plan, t), np.maximum(by_scores, t))
+    assert (PriceRule(float("inf")).plan_stop_steps(plan, 2) == 10).all()
+
+
+def _first_crossing(rule, plan: np.ndarray) -> np.ndarray:
+    """The base rule's reading: the first step whose score reaches the threshold (T if none)."""
+    from learn2stop.runtime.rules import Rule
+
+    return Rule.plan_stop_steps(rule, plan)
+
+
 def test_fixed_depth_exports_only_the_steps_it_runs(sparse_sm, tmp_path):
     sm, y = sparse_sm
     export_stop_model(sm, {"name": "fixed", "param": 4}, y[:2], tmp_path / "exp")

@@ -54,8 +54,9 @@ class Rule:
     def decide(self, t: int, output, logit: np.ndarray | None) -> np.ndarray:
         raise NotImplementedError
 
-    def plan_stop_steps(self, plan: np.ndarray) -> np.ndarray:
-        """1-based stop step of each row from a planning policy's (B, T-1) logits (T if none reached)."""
+    def plan_stop_steps(self, plan: np.ndarray, t: int = 1) -> np.ndarray:
+        """1-based stop step of each row from a planning policy's (B, T-1) logits, made at step t (T if none
+        reached; the steps before t cannot stop)."""
         scores = self.plan_scores(plan.astype(np.float32, copy=False))
         hit = np.concatenate([scores >= self.threshold, np.ones((plan.shape[0], 1), bool)], axis=1)
         return hit.argmax(axis=1) + 1
@@ -111,16 +112,32 @@ class PriceRule(Rule):
         c = np.arange(t, T + 1, dtype=np.float32) / np.float32(T)
         return (late + self.threshold * c).argmax(axis=1) + t
 
+    def plan_stop_steps(self, plan, t=1):
+        """Online, the stop steps directly: argmax over s >= t of log q_phi(s) - price * s / T (the first crossing of
+        :meth:`plan_scores`, as the torch rule's ``plan_times``, without the O(T^3) envelope: at batch 1 that was
+        most of what the plan cost here)."""
+        log_q = _log_q(plan.astype(np.float32, copy=False))
+        T = log_q.shape[1]
+        if not np.isfinite(self.threshold):  # +inf: the calibrators' "never stop early"
+            return np.full(log_q.shape[0], T, dtype=np.int64)
+        c = np.arange(t, T + 1, dtype=np.float32) / np.float32(T)
+        return (log_q[:, t - 1:] + self.threshold * c).argmax(axis=1) + t
+
     def plan_scores(self, plan):
-        B, T = plan.shape[0], plan.shape[1] + 1
-        zero = np.zeros((B, 1), np.float32)
-        log_survival = np.concatenate([zero, np.cumsum(log_sigmoid(-plan), axis=1, dtype=np.float32)], axis=1)
-        log_q = log_survival + np.concatenate([log_sigmoid(plan), zero], axis=1)  # (B, T)
+        log_q = _log_q(plan)
+        B, T = log_q.shape
         c = np.arange(1, T + 1, dtype=np.float32) / np.float32(T)
         dc = c[None, :] - c[:, None]  # (T, T) c_s' - c_s
         ratio = (log_q[:, None, :] - log_q[:, :, None]) / np.where(dc > 0, dc, np.float32(1))  # (B, s, s')
         cols = [ratio[:, :t, t:].max(axis=2).min(axis=1) for t in range(1, T)]
         return -np.stack(cols, axis=1) if cols else np.zeros((B, 0), np.float32)
+
+
+def _log_q(plan: np.ndarray) -> np.ndarray:
+    """The (B, T) log q_phi induced by (B, T-1) stop logits (Eq. 2), float32."""
+    zero = np.zeros((plan.shape[0], 1), np.float32)
+    log_survival = np.concatenate([zero, np.cumsum(log_sigmoid(-plan), axis=1, dtype=np.float32)], axis=1)
+    return log_survival + np.concatenate([log_sigmoid(plan), zero], axis=1)
 
 
 class ConfidenceRule(Rule):

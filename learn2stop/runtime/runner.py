@@ -169,7 +169,7 @@ class StopRuntime:
             if step["policy"] == "plan":  # the steps before the plan cannot stop any more
                 plan = np.array(res[-1], dtype=np.float32)
                 plan[:, :t - 1] = self._never_stop
-                planned = np.maximum(rule.plan_stop_steps(plan), t)
+                planned = np.maximum(rule.plan_stop_steps(plan, t), t)
                 stop = planned == t
             elif step["policy"] == "replan":  # the rows planned past this step are planned again
                 planned = np.where(planned > t, np.maximum(rule.replan_stop_steps(np.asarray(res[-1]), t), t), planned)
