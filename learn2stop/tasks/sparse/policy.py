@@ -111,6 +111,20 @@ def _mlp(width: int, hidden: tuple[int, ...], out: int, activation: str) -> nn.S
     return nn.Sequential(*layers, nn.Linear(width, out))
 
 
+def _state_norms(y: Tensor, x: Tensor, previous: Tensor | None = None) -> Tensor:
+    """(B, 4) log ||x||_1, log ||x||_2, log ||y|| and the support fraction of x (the first plan's ``norms``); with
+    ``previous``, (B, 6): the last move's log size and log size relative to ||x|| before the support (the second
+    plan's). No product with A."""
+    norm = torch.linalg.vector_norm
+    size = norm(x, dim=1)
+    cols = [x.abs().sum(dim=1), size, norm(y, dim=1)]
+    if previous is not None:
+        move = norm(x - previous, dim=1)
+        cols += [move, move / (size + 1e-6)]
+    logs = torch.stack(cols, dim=1).add(1e-6).log()
+    return torch.cat([logs, (support_size(x) / x.shape[1])[:, None]], dim=1)
+
+
 def _head(h: Tensor, norm: nn.BatchNorm1d | None, net: nn.Sequential, training: bool, activation: str) -> Tensor:
     """An MLP on features standardised by ``norm`` (if any). Training: the module (batch statistics, and it gathers
     them); inference: the gathered ones. The layers run functionally (no module calls on the hot path)."""
@@ -195,10 +209,9 @@ class SparseDepthPlanner(MinStep, nn.Module):
     def extract(self, y: Tensor, x: Tensor) -> Tensor:
         """The (B, ``in_dim``) raw features of the state x = x_s (see the class text). Written in few operations: at
         batch 1 each costs its dispatch (a few microseconds), and this runs once per sample on the inference path."""
-        norm = torch.linalg.vector_norm
         if self.inputs == "norms":
-            logs = torch.stack([x.abs().sum(dim=1), norm(x, dim=1), norm(y, dim=1)], dim=1).add(1e-6).log()
-            return torch.cat([logs, (support_size(x) / x.shape[1])[:, None]], dim=1)
+            return _state_norms(y, x)
+        norm = torch.linalg.vector_norm
         r = y - x @ self.A.t()  # (B, m) residual (not addmm: its rounding differs, and so would the plans)
         g = r @ self.A  # (B, n) minus the gradient of 1/2 ||y - A x||^2
         stats = torch.stack([norm(y, dim=1), norm(r, dim=1), norm(g, dim=1), x.abs().sum(dim=1), norm(x, dim=1),
@@ -220,10 +233,7 @@ class SparseDepthPlanner(MinStep, nn.Module):
     def extract_late(self, y: Tensor, x: Tensor, previous: Tensor) -> Tensor:
         """The (B, 6) features of the second plan, none of them a product with A: log ||x||_1, log ||x||_2, the
         support fraction, log ||y||, and the last move's log size and log size relative to ||x||."""
-        norm = torch.linalg.vector_norm
-        size, move = norm(x, dim=1), norm(x - previous, dim=1)
-        logs = torch.stack([x.abs().sum(dim=1), size, norm(y, dim=1), move, move / (size + 1e-6)], dim=1).add(1e-6).log()
-        return torch.cat([logs, (support_size(x) / x.shape[1])[:, None]], dim=1)
+        return _state_norms(y, x, previous)
 
     def replan_log_q(self, y: Tensor, x: Tensor, previous: Tensor, t: int) -> Tensor:
         """The second plan's (B, T) log q_phi of steps t..T (``replan_step``; earlier entries are never read)
