@@ -218,7 +218,7 @@ def test_planning_policy_fixes_the_depth_once(sparse_sm, tmp_path, rule, param):
 @pytest.mark.parametrize("price", [-40.0, -3.0, 0.0, 0.7, 5.0, 60.0])
 def test_the_runtime_price_rule_reads_the_plan_by_argmax_as_the_envelope_says(price):
     """Online the numpy price rule takes argmax_{s >= t} log q(s) - price s / T, the first crossing of its offline
-    scores (the O(T^3) envelope), for plans made at any step t; +inf never stops early."""
+    scores (the O(T^3) envelope), for plans made at any step t; +inf never stops early, for a second plan too."""
     from learn2stop.runtime.rules import PriceRule
 
     g = np.random.default_rng(int(abs(price) * 10))
@@ -229,6 +229,7 @@ def test_the_runtime_price_rule_reads_the_plan_by_argmax_as_the_envelope_says(pr
         by_scores = _first_crossing(rule, plan)
         np.testing.assert_array_equal(rule.plan_stop_steps(plan, t), np.maximum(by_scores, t))
     assert (PriceRule(float("inf")).plan_stop_steps(plan, 2) == 10).all()
+    assert (PriceRule(float("inf")).replan_stop_steps(g.normal(size=(5, 10)).astype(np.float32), 4) == 10).all()
 
 
 def _first_crossing(rule, plan: np.ndarray) -> np.ndarray:

@@ -194,22 +194,13 @@ class PriceSignal(_LowerStops, _PolicyBased):
     def plan_times(self, view: StepView, threshold: float) -> Tensor:
         """Online, the stop times directly: argmax_t log q_phi(t) - price * t / T over the steps from the plan
         step (equal to the first crossing of :meth:`scores`, without its O(T^3) envelope)."""
-        if threshold == math.inf:  # the calibrators' "never stop early": no plan needed
-            return torch.full((view.index.numel(),), view.num_steps, dtype=torch.long, device=view.index.device)
-        log_q = planned_log_q(self.policy, view.inputs, view.output, view.t, view.index.numel(), view.num_steps)
-        T = log_q.shape[1]
-        c = torch.arange(1, T + 1, dtype=log_q.dtype, device=log_q.device) / T
-        return (log_q[:, view.t - 1:] + threshold * c[view.t - 1:]).argmax(dim=1) + view.t  # threshold = -price
+        return _priced_argmax(view, threshold, lambda: planned_log_q(
+            self.policy, view.inputs, view.output, view.t, view.index.numel(), view.num_steps)[:, view.t - 1:])
 
     def replan_times(self, view: StepView, threshold: float) -> Tensor:
         """At the second plan's step s, for the samples still running: argmax_{t >= s} log q2(t) - price * t / T."""
-        if threshold == math.inf:
-            return torch.full((view.index.numel(),), view.num_steps, dtype=torch.long, device=view.index.device)
-        late = replan_scores_late(self.policy, view.inputs, view.output, view.previous_output, view.t,
-                                  view.index.numel(), view.num_steps)  # steps t..T; a constant per row is no matter
-        T = view.num_steps
-        c = torch.arange(view.t, T + 1, dtype=late.dtype, device=late.device) / T
-        return (late + threshold * c).argmax(dim=1) + view.t
+        return _priced_argmax(view, threshold, lambda: replan_scores_late(
+            self.policy, view.inputs, view.output, view.previous_output, view.t, view.index.numel(), view.num_steps))
 
     def replan_scores(self, scores: Tensor, view: StepView) -> Tensor:
         """The (B, T-1) scores of the first plan (:meth:`plan_scores`) revised by the second, made at step s =
@@ -227,6 +218,18 @@ class PriceSignal(_LowerStops, _PolicyBased):
 
     def __call__(self, view: StepView) -> Tensor:
         raise ValueError("the price rule reads a planned q_phi: it needs a planning policy (one with plan_step)")
+
+
+def _priced_argmax(view: StepView, threshold: float, late_log_q: Callable[[], Tensor]) -> Tensor:
+    """Stop steps argmax_{t >= view.t} log q(t) - price * t / T (threshold = -price) from ``late_log_q()``, the
+    (B, T - view.t + 1) log q of steps view.t..T up to a constant per row; +inf ("never stop early") plans depth T
+    without asking the policy."""
+    T = view.num_steps
+    if threshold == math.inf:
+        return torch.full((view.index.numel(),), T, dtype=torch.long, device=view.index.device)
+    late = late_log_q()
+    c = torch.arange(view.t, T + 1, dtype=late.dtype, device=late.device) / T
+    return (late + threshold * c).argmax(dim=1) + view.t
 
 
 class _Keyed(StopSignal):

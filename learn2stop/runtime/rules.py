@@ -104,24 +104,22 @@ class PriceRule(Rule):
 
     def replan_stop_steps(self, log_q, t):
         """1-based stop steps of the rows still running at a second plan's step t: argmax over s >= t of the
-        (B, T) second plan, renormalised on s >= t, minus price * s / T."""
-        late = log_q[:, t - 1:].astype(np.float32, copy=False)
-        late = late - late.max(axis=1, keepdims=True)
-        late = late - np.log(np.exp(late).sum(axis=1, keepdims=True))
-        T = log_q.shape[1]
-        c = np.arange(t, T + 1, dtype=np.float32) / np.float32(T)
-        return (late + self.threshold * c).argmax(axis=1) + t
+        (B, T) second plan minus price * s / T (a constant per row, its normalisation on s >= t, is no matter)."""
+        return self._priced_argmax(log_q[:, t - 1:].astype(np.float32, copy=False), t, log_q.shape[1])
 
     def plan_stop_steps(self, plan, t=1):
         """Online, the stop steps directly: argmax over s >= t of log q_phi(s) - price * s / T (the first crossing of
         :meth:`plan_scores`, as the torch rule's ``plan_times``, without the O(T^3) envelope: at batch 1 that was
         most of what the plan cost here)."""
         log_q = _log_q(plan.astype(np.float32, copy=False))
-        T = log_q.shape[1]
-        if not np.isfinite(self.threshold):  # +inf: the calibrators' "never stop early"
-            return np.full(log_q.shape[0], T, dtype=np.int64)
+        return self._priced_argmax(log_q[:, t - 1:], t, log_q.shape[1])
+
+    def _priced_argmax(self, late: np.ndarray, t: int, T: int) -> np.ndarray:
+        """argmax over steps t..T of ``late`` (B, T - t + 1) - price * s / T, 1-based; +inf ("never stop early"): T."""
+        if not np.isfinite(self.threshold):
+            return np.full(late.shape[0], T, dtype=np.int64)
         c = np.arange(t, T + 1, dtype=np.float32) / np.float32(T)
-        return (log_q[:, t - 1:] + self.threshold * c).argmax(axis=1) + t
+        return (late + self.threshold * c).argmax(axis=1) + t
 
     def plan_scores(self, plan):
         log_q = _log_q(plan)
