@@ -345,19 +345,14 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
             g_out = ([f"next_{n}" for n in state_names] if keep else []) + (out_names if readout else [])
             if kind is not None:
                 g_out.append({"plan": "stop_plan", "replan": "replan_log_q"}.get(kind, "stop_logit"))
-            if kind == "logit":
-                logit = g(*args)[-1]
-                if logit.shape != (in_leaves[0].shape[0],):
-                    raise ExportError(f"policy at step {t}: must return one stop logit per sample; got shape {tuple(logit.shape)}")
-            if kind == "plan":
-                got = g(*args)[-1]
-                if got.shape != (in_leaves[0].shape[0], T - 1):
-                    raise ExportError(f"planning policy at step {t}: must return (B, {T - 1}) stop logits; got {tuple(got.shape)}")
-            if kind == "replan":
-                got = g(*args)[-1]
-                if got.shape != (in_leaves[0].shape[0], T):
-                    raise ExportError(f"planning policy's second plan at step {t}: must return (B, {T}) log q_phi; "
-                                      f"got {tuple(got.shape)}")
+            if kind is not None:  # what the policy returns here, checked once, in the user's terms
+                B, got = in_leaves[0].shape[0], tuple(g(*args)[-1].shape)
+                want, what = {"logit": ((B,), "one stop logit per sample"),
+                              "plan": ((B, T - 1), f"(B, {T - 1}) stop logits"),
+                              "replan": ((B, T), f"(B, {T}) log q_phi (its second plan)")}[kind]
+                if got != want:
+                    raise ExportError(f"{'planning ' if kind != 'logit' else ''}policy at step {t}: must return {what}; "
+                                      f"got shape {got}")
             path = tmp / f"step_{t:02d}.onnx"
             try:
                 _onnx_export(g, args, path, g_in, g_out, opset, dynamic)

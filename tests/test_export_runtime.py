@@ -341,7 +341,10 @@ def test_export_refuses_what_it_cannot_write(sparse_sm, exported, tmp_path):
         export_stop_model(sm, {"name": "price", "param": 1.0}, y[:2], tmp_path / "price")
     with pytest.raises(ExportError, match="inference.sampled"):
         export_stop_model(sm, InferenceConfig(sampled=True), y[:2], tmp_path / "sampled")
-    assert not any((tmp_path / d).exists() for d in ("nopolicy", "sampled", "price"))
+    wrong = StoppingModel(sm.model, TinyPlanner(27, 8, plan_step=3)).eval()  # a plan of 7 logits for T = 7
+    with pytest.raises(ExportError, match=r"planning policy at step 3: must return \(B, 6\) stop logits; got shape \(2, 7\)"):
+        export_stop_model(wrong, {"name": "price", "param": 1.0}, y[:2], tmp_path / "wrong")
+    assert not any((tmp_path / d).exists() for d in ("nopolicy", "sampled", "price", "wrong"))
     assert not [p for p in tmp_path.iterdir() if "export-tmp" in p.name]
     # an earlier export is replaced, complete, by the new one
     export_stop_model(sm, {"name": "fixed", "param": 2}, y[:2], folder)
