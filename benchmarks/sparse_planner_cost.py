@@ -102,7 +102,7 @@ def main(argv=None) -> dict:
                     views[t] = StepView(t, T, y, x, previous, x, torch.arange(bs))
                 s = planner.plan_step
                 if not parts:
-                    parts["one LISTA step"] = (lambda v=views[s]: model.step(min(s + 1, T), v.state, y))
+                    parts["one LISTA step"] = (lambda v=views[s], m=model, u=min(s + 1, T): m.step(u, v.state, y))
                 parts[f"{name}: features"] = (lambda v=views[s], p=planner: p.extract(y, v.state))
                 parts[f"{name}: first plan"] = (lambda v=views[s], r=rule(): r.plan(v))
                 if planner.replan_step is not None:
