@@ -146,7 +146,7 @@ class SparseDepthPlanner(MinStep, nn.Module):
       training batches. A few reductions over x_s: about a tenth of a LISTA step at batch 1000 where the residual
       statistics cost 0.8 of one. Fitted offline on the quick and ``paper-cpu`` runs they plan within 0.02 dB of
       the deployed residual plans at 50-90 % of the steps (and up to 0.04 below a residual refit of the same kind:
-      docs/sparse.md); trained by Stage II, at or above them (docs/sparse.md).
+      docs/sparse.md); trained by Stage II, from 0.005 dB below to 0.06 above them at 40-90 % (docs/sparse.md).
     - ``"residual"`` (the planner until 2026-11-27): eight statistics, log ||y||, log ||r|| and log ||A^T r|| with
       r = y - A x_s (the noise level, and how far an ISTA step would still move x_s), their ratios to ||y|| and
       ||x_s||, log ||x_s||_1, log ||x_s||_2 and the support fraction; two products with A per sample.
