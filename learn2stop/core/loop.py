@@ -61,9 +61,13 @@ def first_ask(rule: Any) -> int:
 #:   this later step; absent: one plan. A policy that sets it has ``replan_log_q(inputs, output, previous_output,
 #:   t) -> (B, T)`` log q_phi of steps t..T given the run so far (its q_phi is then
 #:   :func:`~learn2stop.core.distributions.replanned_log_q` of the two plans), a rule ``replan(view) -> (B,)``;
+#: - ``priced_plan`` / ``priced_replan`` (planning policy): ``priced_plan(inputs, output, t, threshold)`` and
+#:   ``priced_replan(inputs, output, previous_output, t, threshold) -> (B,)`` the price rule's stop steps,
+#:   argmax_{u >= t} log q_phi(u) + threshold * u / T, computed by the policy where it has a faster way (a
+#:   small batch on a CPU), or None; absent or None: the rule takes the argmax of ``plan_log_q`` itself;
 #: - ``first_step`` (rule): the first step the loop asks it at (2 for a tolerance test); absent: 1.
 OPTIONAL_MEMBERS: dict[str, Any] = {"exit_costs": None, "min_step": 1, "plan_step": None, "plan_log_q": None,
-                                    "replan_step": None, "first_step": 1}
+                                    "replan_step": None, "priced_plan": None, "priced_replan": None, "first_step": 1}
 
 
 def member(obj: Any, name: str) -> Any:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -136,6 +137,80 @@ def _head(h: Tensor, norm: nn.BatchNorm1d | None, net: nn.Sequential, training: 
     return h
 
 
+#: the largest batch whose price-rule plans run in numpy (on a CPU, at inference). A plan in torch is some 25 small
+#: operations, each paying its dispatch: at batch 1 on the quick problem 97 µs, four LISTA steps, where numpy takes
+#: 23 µs (each alone, in a loop); inside a rollout both cost more (the steps between evict them from the caches),
+#: and the deployed rollout ran 0.78x LISTA-16's speed against 0.68x (docs/sparse.md). Larger batches run in torch.
+NUMPY_MAX_BATCH = 16
+_NUMPY_ACTIVATIONS = {"relu": lambda h: np.maximum(h, 0, out=h), "elu": lambda h: np.where(h > 0, h, np.expm1(h))}
+
+
+def _state_norms_np(y: np.ndarray, x: np.ndarray, previous: np.ndarray | None = None) -> np.ndarray:
+    """:func:`_state_norms` in numpy: the same statistics in the same order, (B, 4) or (B, 6) float32. A single row
+    takes scalar arithmetic: 5.6 µs on the quick problem against 16.5 for the array form."""
+    if x.shape[0] == 1:
+        xa, ya = x[0], y[0]
+        size = math.sqrt(float(xa @ xa))
+        cols = [float(np.abs(xa).sum()), size, math.sqrt(float(ya @ ya))]
+        if previous is not None:
+            d = xa - previous[0]
+            move = math.sqrt(float(d @ d))
+            cols += [move, move / (size + 1e-6)]
+        return np.array([[*(math.log(c + 1e-6) for c in cols), np.count_nonzero(xa) / xa.shape[0]]], dtype=np.float32)
+    size = np.sqrt(np.einsum("ij,ij->i", x, x))
+    cols = [np.abs(x).sum(axis=1), size, np.sqrt(np.einsum("ij,ij->i", y, y))]
+    if previous is not None:
+        d = x - previous
+        move = np.sqrt(np.einsum("ij,ij->i", d, d))
+        cols += [move, move / (size + np.float32(1e-6))]
+    logs = np.log(np.stack(cols, axis=1) + np.float32(1e-6))
+    support = np.count_nonzero(x, axis=1).astype(np.float32) / np.float32(x.shape[1])
+    return np.concatenate([logs, support[:, None]], axis=1)
+
+
+class _NumpyHead:
+    """A frozen numpy copy of a planner head (its standardisation folded into the first layer) that gives the
+    price rule's stop steps, argmax_{u >= t} logit(u) - price * u / T (the argmax of log q_phi, which differs
+    from the logits by a constant per row); the price's column vector is kept per (t, threshold)."""
+
+    def __init__(self, norm: nn.BatchNorm1d | None, net: nn.Sequential, activation: str):
+        self.activation = activation
+        self.sources = [*net.parameters(), *(() if norm is None else (norm.running_mean, norm.running_var))]
+        self.versions = self.source_versions()
+        lins = [layer for layer in net if isinstance(layer, nn.Linear)]
+        weights = [layer.weight.detach().double().t() for layer in lins]
+        biases = [layer.bias.detach().double() for layer in lins]
+        if norm is not None:  # (f - mean) / std @ W + b = f @ (W / std) + (b - mean / std @ W)
+            inv = (norm.running_var.detach().double() + norm.eps).rsqrt()
+            biases[0] = biases[0] - (norm.running_mean.detach().double() * inv) @ weights[0]
+            weights[0] = weights[0] * inv[:, None]
+        self.layers = [(w.float().numpy().copy(), b.float().numpy().copy()) for w, b in zip(weights, biases)]
+        self.act = _NUMPY_ACTIVATIONS[activation]
+        self.T = self.layers[-1][1].shape[0]
+        self._last: dict[tuple[int, float], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def source_versions(self) -> tuple[int, ...]:
+        """The version counters of the tensors it copied (every in-place update and load bumps them)."""
+        return tuple(p._version for p in self.sources)
+
+    def stop_steps(self, f: np.ndarray, t: int, threshold: float) -> Tensor:
+        last = self._last.get((t, threshold))
+        if last is None:
+            if len(self._last) >= 64:  # a sweep over many prices keeps the last few
+                self._last.clear()
+            w, b = self.layers[-1]
+            c = np.arange(t, self.T + 1, dtype=np.float32) / np.float32(self.T)
+            last = self._last[(t, threshold)] = (w[:, t - 1:].copy(), b[t - 1:].copy(), np.float32(threshold) * c)
+        h = f
+        for w, b in self.layers[:-1]:
+            h = self.act(h @ w + b)
+        z = h @ last[0] + last[1]  # the logits of steps t..T
+        if not np.isfinite(z.sum()):
+            raise ValueError(f"the planning policy returned NaN or inf log q_phi at step {t}")
+        z -= z.max(axis=1, keepdims=True)  # <= 0, as log q: the largest price (never stop early) cannot overflow
+        return torch.from_numpy((z + last[2]).argmax(axis=1) + t)
+
+
 class SparseDepthPlanner(MinStep, nn.Module):
     """q_phi(t | y, x_s) for t = 1..T from the state at step s = ``plan_step``: a planning policy.
 
@@ -197,6 +272,7 @@ class SparseDepthPlanner(MinStep, nn.Module):
         # without it came out 0.03-0.09 dB lower at 70-90 % of the steps (docs/sparse.md).
         self.replan_norm = nn.BatchNorm1d(self.replan_dim, affine=False, momentum=None) if replan else None
         self.replan_net = _mlp(self.replan_dim, hidden, num_steps, activation) if replan else None  # read from s2 on
+        self._numpy: dict[str, _NumpyHead] = {}  # numpy copies of the heads, for small batches at inference
 
     @property
     def in_dim(self) -> int:
@@ -244,6 +320,38 @@ class SparseDepthPlanner(MinStep, nn.Module):
         # logits of steps 1..T; the loop renormalises them on t..T
         return _head(self.extract_late(y, x, previous), self.replan_norm, self.replan_net, self.training,
                      self.activation)
+
+    def priced_plan(self, y: Tensor, x: Tensor, t: int, threshold: float) -> Tensor | None:
+        """The price rule's stop steps from the first plan, argmax_{u >= t} log q_phi(u) - price * u / T (threshold
+        = -price), computed in numpy where that is faster: a batch of at most :data:`NUMPY_MAX_BATCH` on a CPU, at
+        inference, with the ``norms`` inputs. None elsewhere (the rule then reads :meth:`plan_log_q`)."""
+        head = self._numpy_head("plan", y, x) if self.inputs == "norms" else None
+        return None if head is None else head.stop_steps(_state_norms_np(y.numpy(), x.numpy()), t, threshold)
+
+    def priced_replan(self, y: Tensor, x: Tensor, previous: Tensor, t: int, threshold: float) -> Tensor | None:
+        """:meth:`priced_plan` for the second plan (steps t..T, t = ``replan_step``); None where it does not apply."""
+        head = self._numpy_head("replan", y, x) if self.replan_net is not None and t == self.replan_step else None
+        return None if head is None else head.stop_steps(_state_norms_np(y.numpy(), x.numpy(), previous.numpy()), t,
+                                                         threshold)
+
+    def _numpy_head(self, which: str, y: Tensor, x: Tensor) -> _NumpyHead | None:
+        """The numpy copy of a head, made again when a weight or statistic it copied has changed (their version
+        counters), the activation has, or the module switches mode; None where torch should run it."""
+        if self.training or torch.is_grad_enabled() or x.device.type != "cpu" or x.shape[0] > NUMPY_MAX_BATCH \
+                or x.dtype != torch.float32 or y.dtype != torch.float32:
+            return None
+        head = self._numpy.get(which)
+        try:
+            if head is None or head.activation != self.activation or head.versions != head.source_versions():
+                norm, net = (self.plan_norm, self.net) if which == "plan" else (self.replan_norm, self.replan_net)
+                head = self._numpy[which] = _NumpyHead(norm, net, self.activation)
+        except RuntimeError:  # weights made under inference_mode keep no version: nothing to check a copy against
+            return None
+        return head
+
+    def train(self, mode: bool = True) -> "SparseDepthPlanner":
+        self._numpy.clear()  # a copy lives for one stretch of inference
+        return super().train(mode)
 
     def get_extra_state(self) -> dict:
         return {**super().get_extra_state(), "replan_step": self.replan_step, "inputs": self.inputs,
