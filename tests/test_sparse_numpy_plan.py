@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from learn2stop.core import SignalRule, run_with_early_exit
+from learn2stop.core import SignalRule, run_with_early_exit, unroll
 from learn2stop.core.loop import StepView
 from learn2stop.core.rules import PriceSignal, make_signal
 from learn2stop.tasks.sparse import LISTA
@@ -79,6 +79,9 @@ def test_single_samples_stop_where_their_batch_does():
         batch = run_with_early_exit(lista, y, rule)
         one = torch.cat([run_with_early_exit(lista, y[i:i + 1], rule).stop_times for i in range(len(y))])
     assert torch.equal(one, batch.stop_times) and len(set(one.tolist())) > 2
+    with torch.no_grad():  # each output is its own step's (the batch was sorted twice, the state gathered once)
+        steps = torch.stack(unroll(lista, y, keep_outputs=True).step_outputs, 1)
+    torch.testing.assert_close(batch.outputs, steps[torch.arange(len(y)), one - 1])
 
 
 def test_a_changed_weight_or_load_makes_a_new_copy():

@@ -309,8 +309,9 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
         # one host sync: how many rows are still running after each step t..T
         counts = torch.bincount(times, minlength=T + 1).flip(0).cumsum(0).flip(0)  # counts[s] = #(times >= s)
         remaining[t:] = counts[t + 1:].tolist() + [0]
+        same = output is state  # a readout that is the state itself (LISTA's x_t): one gather, not two
         active, state, inputs = active[order], tree_select(state, order), tree_select(inputs, order)
-        return None if output is None else tree_select(output, order)
+        return None if output is None else state if same else tree_select(output, order)
 
     if plan_step == 0:
         plan(0, None)
