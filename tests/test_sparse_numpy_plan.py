@@ -8,7 +8,8 @@ from learn2stop.core import SignalRule, run_with_early_exit, unroll
 from learn2stop.core.loop import StepView
 from learn2stop.core.rules import PriceSignal, make_signal
 from learn2stop.tasks.sparse import LISTA
-from learn2stop.tasks.sparse.policy import NUMPY_MAX_BATCH, SparseDepthPlanner, _state_norms, _state_norms_np
+from learn2stop.core.fastpath import NUMPY_MAX_BATCH
+from learn2stop.tasks.sparse.policy import SparseDepthPlanner, _state_norms, _state_norms_np
 
 T, S1, S2 = 12, 3, 7
 
@@ -91,12 +92,12 @@ def test_a_changed_weight_or_load_makes_a_new_copy():
     th = PriceSignal.from_param(1.0)
     with torch.no_grad():
         planner.priced_plan(y, x, S1, th)
-        copy = planner._numpy["plan"]
+        copy = planner._numpy._made["plan"][2]
         planner.priced_plan(y, x, S1, th)
-        assert planner._numpy["plan"] is copy  # kept while nothing changes
+        assert planner._numpy._made["plan"][2] is copy  # kept while nothing changes
         planner.net[0].bias.add_(5.0)
         planner.priced_plan(y, x, S1, th)
-        assert planner._numpy["plan"] is not copy
+        assert planner._numpy._made["plan"][2] is not copy
     fast, slow = _both(planner, y, x, prev, th)
     assert torch.equal(fast[0], slow[0])
     planner.load_state_dict(other.state_dict())

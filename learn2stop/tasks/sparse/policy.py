@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from ...core.fastpath import NumpyCopies, numpy_eligible
 from ...core.pipeline import MinStep
 
 
@@ -137,11 +138,10 @@ def _head(h: Tensor, norm: nn.BatchNorm1d | None, net: nn.Sequential, training: 
     return h
 
 
-#: the largest batch whose price-rule plans run in numpy (on a CPU, at inference). A plan in torch is some 25 small
-#: operations, each paying its dispatch: at batch 1 on the quick problem 97 µs, four LISTA steps, where numpy takes
-#: 23 µs (each alone, in a loop); inside a rollout both cost more (the steps between evict them from the caches),
-#: and the deployed rollout ran 0.78x LISTA-16's speed against 0.68x (docs/sparse.md). Larger batches run in torch.
-NUMPY_MAX_BATCH = 16
+#: The price rule's plans of a small batch (:func:`~learn2stop.core.fastpath.numpy_eligible`) run in numpy. A plan in
+#: torch is some 25 small operations, each paying its dispatch: at batch 1 on the quick problem 97 µs, four LISTA
+#: steps, where numpy takes 23 µs (each alone, in a loop); inside a rollout both cost more (the steps between evict
+#: them from the caches), and the deployed rollout ran 0.78x LISTA-16's speed against 0.68x (docs/sparse.md).
 _NUMPY_ACTIVATIONS = {"relu": lambda h: np.maximum(h, 0, out=h), "elu": lambda h: np.where(h > 0, h, np.expm1(h))}
 
 
@@ -174,9 +174,6 @@ class _NumpyHead:
     from the logits by a constant per row); the price's column vector is kept per (t, threshold)."""
 
     def __init__(self, norm: nn.BatchNorm1d | None, net: nn.Sequential, activation: str):
-        self.activation = activation
-        self.sources = [*net.parameters(), *(() if norm is None else (norm.running_mean, norm.running_var))]
-        self.versions = self.source_versions()
         lins = [layer for layer in net if isinstance(layer, nn.Linear)]
         weights = [layer.weight.detach().double().t() for layer in lins]
         biases = [layer.bias.detach().double() for layer in lins]
@@ -188,10 +185,6 @@ class _NumpyHead:
         self.act = _NUMPY_ACTIVATIONS[activation]
         self.T = self.layers[-1][1].shape[0]
         self._last: dict[tuple[int, float], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-
-    def source_versions(self) -> tuple[int, ...]:
-        """The version counters of the tensors it copied (every in-place update and load bumps them)."""
-        return tuple(p._version for p in self.sources)
 
     def stop_steps(self, f: np.ndarray, t: int, threshold: float) -> Tensor:
         last = self._last.get((t, threshold))
@@ -272,7 +265,7 @@ class SparseDepthPlanner(MinStep, nn.Module):
         # without it came out 0.03-0.09 dB lower at 70-90 % of the steps (docs/sparse.md).
         self.replan_norm = nn.BatchNorm1d(self.replan_dim, affine=False, momentum=None) if replan else None
         self.replan_net = _mlp(self.replan_dim, hidden, num_steps, activation) if replan else None  # read from s2 on
-        self._numpy: dict[str, _NumpyHead] = {}  # numpy copies of the heads, for small batches at inference
+        self._numpy = NumpyCopies()  # of the heads, for small batches at inference
 
     @property
     def in_dim(self) -> int:
@@ -335,19 +328,12 @@ class SparseDepthPlanner(MinStep, nn.Module):
                                                          threshold)
 
     def _numpy_head(self, which: str, y: Tensor, x: Tensor) -> _NumpyHead | None:
-        """The numpy copy of a head, made again when a weight or statistic it copied has changed (their version
-        counters), the activation has, or the module switches mode; None where torch should run it."""
-        if self.training or torch.is_grad_enabled() or x.device.type != "cpu" or x.shape[0] > NUMPY_MAX_BATCH \
-                or x.dtype != torch.float32 or y.dtype != torch.float32:
+        """The numpy copy of a head where it applies (:func:`~learn2stop.core.fastpath.numpy_eligible`), else None."""
+        if not numpy_eligible(self, x, y):
             return None
-        head = self._numpy.get(which)
-        try:
-            if head is None or head.activation != self.activation or head.versions != head.source_versions():
-                norm, net = (self.plan_norm, self.net) if which == "plan" else (self.replan_norm, self.replan_net)
-                head = self._numpy[which] = _NumpyHead(norm, net, self.activation)
-        except RuntimeError:  # weights made under inference_mode keep no version: nothing to check a copy against
-            return None
-        return head
+        norm, net = (self.plan_norm, self.net) if which == "plan" else (self.replan_norm, self.replan_net)
+        return self._numpy.get(which, lambda: [*net.parameters(), *(() if norm is None else (norm.running_mean, norm.running_var))],
+                               lambda: _NumpyHead(norm, net, self.activation))
 
     def train(self, mode: bool = True) -> "SparseDepthPlanner":
         self._numpy.clear()  # a copy lives for one stretch of inference
@@ -364,6 +350,7 @@ class SparseDepthPlanner(MinStep, nn.Module):
             raise ValueError(f"the checkpoint's planner reads the {inputs!r} statistics and this one is built for "
                              f"{self.inputs!r} (set policy.plan_inputs {inputs})")
         self.activation = state.get("activation", "elu")  # absent in the checkpoints of ELU planners
+        self._numpy.clear()
         for net in (self.net, self.replan_net):
             for i, layer in enumerate(net or ()):
                 if not isinstance(layer, nn.Linear):

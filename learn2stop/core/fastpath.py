@@ -1,0 +1,54 @@
+"""Small batches at inference on a CPU: a policy's decision in numpy.
+
+At batch 1 a policy of a few small layers is dozens of torch operations, and each pays its dispatch (a few
+microseconds), so the decision can cost more than the step it is meant to save. Numpy's calls on such small
+arrays cost a fraction of that. A policy keeps numpy copies of its weights here, made again whenever a tensor
+they were copied from changes (its version counter: every in-place update and every load bumps it), and runs
+its numpy form only where :func:`numpy_eligible` says so; elsewhere its torch form runs.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+#: the largest batch a policy decides in numpy; larger batches amortise torch's dispatch over their rows.
+NUMPY_MAX_BATCH = 16
+
+
+def numpy_eligible(module: nn.Module, *tensors: Tensor) -> bool:
+    """Whether ``module`` may decide on ``tensors`` (batch-first, the first one's rows the batch) in numpy: at
+    inference (eval mode, no gradients), on a CPU, in float32, at most :data:`NUMPY_MAX_BATCH` rows."""
+    if module.training or torch.is_grad_enabled() or tensors[0].shape[0] > NUMPY_MAX_BATCH:
+        return False
+    for x in tensors:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            return False
+    return True
+
+
+class NumpyCopies:
+    """Numpy copies of a module's weights, by name, each made again when a tensor it was made from changes.
+
+    ``get(name, sources, build)``: ``sources()`` lists the tensors a copy reads and ``build()`` makes it; they are
+    called only when there is no copy yet or one of the listed tensors has changed since. None where the tensors
+    keep no version (made under ``torch.inference_mode``): there is nothing to check a copy against, so the
+    caller runs its torch form.
+    """
+
+    def __init__(self):
+        self._made: dict[str, tuple[list[Tensor], tuple[int, ...], Any]] = {}
+
+    def get(self, name: str, sources: Callable[[], list[Tensor]], build: Callable[[], Any]) -> Any:
+        entry = self._made.get(name)
+        try:
+            if entry is None or entry[1] != tuple(p._version for p in entry[0]):
+                tensors = sources()
+                entry = self._made[name] = (tensors, tuple(p._version for p in tensors), build())
+        except RuntimeError:
+            return None
+        return entry[2]
+
+    def clear(self) -> None:
+        self._made.clear()
