@@ -19,8 +19,10 @@ NUMPY_MAX_BATCH = 16
 
 def numpy_eligible(module: nn.Module, *tensors: Tensor) -> bool:
     """Whether ``module`` may decide on ``tensors`` (batch-first, the first one's rows the batch) in numpy: at
-    inference (eval mode, no gradients), on a CPU, in float32, at most :data:`NUMPY_MAX_BATCH` rows."""
-    if module.training or torch.is_grad_enabled() or tensors[0].shape[0] > NUMPY_MAX_BATCH:
+    inference (eval mode, no gradients), on a CPU, in float32, at most :data:`NUMPY_MAX_BATCH` rows, and not while
+    torch records a graph (ONNX export, ``torch.jit.trace``, ``torch.compile``), which would keep the numpy result
+    as a constant."""
+    if module.training or torch.is_grad_enabled() or tensors[0].shape[0] > NUMPY_MAX_BATCH or _tracing():
         return False
     for x in tensors:
         if x.dtype != torch.float32 or x.device.type != "cpu":
@@ -52,3 +54,7 @@ class NumpyCopies:
 
     def clear(self) -> None:
         self._made.clear()
+
+
+def _tracing() -> bool:
+    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling()
