@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from learn2stop.core.fastpath import NUMPY_MAX_BATCH, NumpyCopies, numpy_eligible
+from learn2stop.core.fastpath import NUMPY_MAX_BATCH, NumpyCopies, numpy_eligible, torch_only
 from learn2stop.tasks.classify.policy import ExitPolicy
 
 
@@ -18,6 +18,9 @@ def test_numpy_only_at_inference_on_small_float32_cpu_batches():
         m.train()
         assert not numpy_eligible(m, x)
         m.eval()
+        with torch_only():
+            assert not numpy_eligible(m, x[:1])
+        assert numpy_eligible(m, x[:1])
     assert not numpy_eligible(m, x)  # gradients on
 
 

@@ -8,13 +8,26 @@ its numpy form only where :func:`numpy_eligible` says so; elsewhere its torch fo
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
 
 #: the largest batch a policy decides in numpy; larger batches amortise torch's dispatch over their rows.
 NUMPY_MAX_BATCH = 16
+_enabled = True
+
+
+@contextmanager
+def torch_only() -> Iterator[None]:
+    """Within it every policy decides in torch, at any batch (to compare the two forms, or to debug one)."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before
 
 
 def numpy_eligible(module: nn.Module, *tensors: Tensor) -> bool:
@@ -22,7 +35,8 @@ def numpy_eligible(module: nn.Module, *tensors: Tensor) -> bool:
     inference (eval mode, no gradients), on a CPU, in float32, at most :data:`NUMPY_MAX_BATCH` rows, and not while
     torch records a graph (ONNX export, ``torch.jit.trace``, ``torch.compile``), which would keep the numpy result
     as a constant."""
-    if module.training or torch.is_grad_enabled() or tensors[0].shape[0] > NUMPY_MAX_BATCH or _tracing():
+    if not _enabled or module.training or torch.is_grad_enabled() or tensors[0].shape[0] > NUMPY_MAX_BATCH \
+            or _tracing():
         return False
     for x in tensors:
         if x.dtype != torch.float32 or x.device.type != "cpu":
