@@ -35,8 +35,8 @@ def numpy_eligible(module: nn.Module, *tensors: Tensor) -> bool:
     inference (eval mode, no gradients), on a CPU, in float32, at most :data:`NUMPY_MAX_BATCH` rows, and not while
     torch records a graph (ONNX export, ``torch.jit.trace``, ``torch.compile``), which would keep the numpy result
     as a constant."""
-    if not _enabled or module.training or torch.is_grad_enabled() or tensors[0].shape[0] > NUMPY_MAX_BATCH \
-            or _tracing():
+    if not _enabled or _tracing() or module.training or torch.is_grad_enabled() \
+            or tensors[0].shape[0] > NUMPY_MAX_BATCH:  # (tracing first: it records the shape's comparison)
         return False
     for x in tensors:
         if x.dtype != torch.float32 or x.device.type != "cpu":
