@@ -140,8 +140,8 @@ def _head(h: Tensor, norm: nn.BatchNorm1d | None, net: nn.Sequential, training: 
 
 #: The price rule's plans of a small batch (:func:`~learn2stop.core.fastpath.numpy_eligible`) run in numpy. A plan in
 #: torch is some 25 small operations, each paying its dispatch: at batch 1 on the quick problem 97 µs, four LISTA
-#: steps, where numpy takes 23 µs (each alone, in a loop); inside a rollout both cost more (the steps between evict
-#: them from the caches), and the deployed rollout ran 0.78x LISTA-16's speed against 0.68x (docs/sparse.md).
+#: steps, where numpy takes 23 µs (each alone, in a loop); inside a rollout both cost more (most likely the steps between
+#: evict them from the caches), and the deployed rollout ran 0.78x LISTA-16's speed against 0.68x (docs/sparse.md).
 _NUMPY_ACTIVATIONS = {"relu": lambda h: np.maximum(h, 0, out=h), "elu": lambda h: np.where(h > 0, h, np.expm1(h))}
 
 
