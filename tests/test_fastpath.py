@@ -38,11 +38,14 @@ def test_copies_are_made_again_when_a_weight_changes():
     second = copies.get("w", lambda: [m.weight, m.bias], build)
     assert second is not first and len(made) == 2
     m.load_state_dict(nn.Linear(3, 2).state_dict())
-    assert copies.get("w", lambda: [m.weight, m.bias], build) is not second
+    third = copies.get("w", lambda: [m.weight, m.bias], build)
+    assert third is not second
+    m.weight.data = torch.randn(2, 3)  # a new storage, at the same version
+    assert copies.get("w", lambda: [m.weight, m.bias], build) is not third
     assert torch.equal(torch.from_numpy(made[-1]), m.weight.detach())
     copies.clear()
     copies.get("w", lambda: [m.weight, m.bias], build)
-    assert len(made) == 4
+    assert len(made) == 5
     with torch.inference_mode():  # no version to check against: no copy, the caller runs torch
         frozen = nn.Linear(3, 2)
     assert copies.get("frozen", lambda: [frozen.weight], build) is None

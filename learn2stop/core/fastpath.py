@@ -3,7 +3,7 @@
 At batch 1 a policy of a few small layers is dozens of torch operations, and each pays its dispatch (a few
 microseconds), so the decision can cost more than the step it is meant to save. Numpy's calls on such small
 arrays cost a fraction of that. A policy keeps numpy copies of its weights here, made again whenever a tensor
-they were copied from changes (its version counter: every in-place update and every load bumps it), and runs
+they were copied from changes (its version counter, bumped by every in-place update and load, or its storage), and runs
 its numpy form only where :func:`numpy_eligible` says so; elsewhere its torch form runs.
 """
 from __future__ import annotations
@@ -59,15 +59,22 @@ class NumpyCopies:
     def get(self, name: str, sources: Callable[[], list[Tensor]], build: Callable[[], Any]) -> Any:
         entry = self._made.get(name)
         try:
-            if entry is None or entry[1] != tuple(p._version for p in entry[0]):
+            if entry is None or entry[1] != _stamps(entry[0]):
                 tensors = sources()
-                entry = self._made[name] = (tensors, tuple(p._version for p in tensors), build())
+                entry = self._made[name] = (tensors, _stamps(tensors), build())
         except RuntimeError:
             return None
         return entry[2]
 
     def clear(self) -> None:
+        """Forget every copy (a module whose layers were replaced by new ones must call it)."""
         self._made.clear()
+
+
+def _stamps(tensors: list[Tensor]) -> tuple[tuple[int, int], ...]:
+    """What changes when a tensor's values do: its version (every in-place update and load) and its storage's
+    address (``param.data = t``, as ``vector_to_parameters`` does, keeps the version)."""
+    return tuple((p._version, p.data_ptr()) for p in tensors)
 
 
 def _tracing() -> bool:

@@ -105,21 +105,14 @@ class PriceRule(Rule):
     def replan_stop_steps(self, log_q, t):
         """1-based stop steps of the rows still running at a second plan's step t: argmax over s >= t of the
         (B, T) second plan minus price * s / T (a constant per row, its normalisation on s >= t, is no matter)."""
-        return self._priced_argmax(log_q[:, t - 1:].astype(np.float32, copy=False), t, log_q.shape[1])
+        return priced_argmax(log_q[:, t - 1:].astype(np.float32, copy=False), t, log_q.shape[1], self.threshold)
 
     def plan_stop_steps(self, plan, t=1):
         """Online, the stop steps directly: argmax over s >= t of log q_phi(s) - price * s / T (the first crossing of
         :meth:`plan_scores`, as the torch rule's ``plan_times``, without the O(T^3) envelope: at batch 1 that was
         most of what the plan cost here)."""
         log_q = _log_q(plan.astype(np.float32, copy=False))
-        return self._priced_argmax(log_q[:, t - 1:], t, log_q.shape[1])
-
-    def _priced_argmax(self, late: np.ndarray, t: int, T: int) -> np.ndarray:
-        """argmax over steps t..T of ``late`` (B, T - t + 1) - price * s / T, 1-based; +inf ("never stop early"): T."""
-        if not np.isfinite(self.threshold):
-            return np.full(late.shape[0], T, dtype=np.int64)
-        c = np.arange(t, T + 1, dtype=np.float32) / np.float32(T)
-        return (late + self.threshold * c).argmax(axis=1) + t
+        return priced_argmax(log_q[:, t - 1:], t, log_q.shape[1], self.threshold)
 
     def plan_scores(self, plan):
         log_q = _log_q(plan)
@@ -129,6 +122,15 @@ class PriceRule(Rule):
         ratio = (log_q[:, None, :] - log_q[:, :, None]) / np.where(dc > 0, dc, np.float32(1))  # (B, s, s')
         cols = [ratio[:, :t, t:].max(axis=2).min(axis=1) for t in range(1, T)]
         return -np.stack(cols, axis=1) if cols else np.zeros((B, 0), np.float32)
+
+
+def priced_argmax(late: np.ndarray, t: int, T: int, threshold: float) -> np.ndarray:
+    """1-based stop steps argmax over s = t..T of ``late`` (B, T - t + 1: log q_phi of those steps, up to a constant
+    per row, at most 0) + threshold * s / T (threshold = -price); +inf ("never stop early"): T."""
+    if not np.isfinite(threshold):
+        return np.full(late.shape[0], T, dtype=np.int64)
+    c = np.arange(t, T + 1, dtype=np.float32) / np.float32(T)
+    return (late + np.float32(threshold) * c).argmax(axis=1) + t
 
 
 def _log_q(plan: np.ndarray) -> np.ndarray:

@@ -30,6 +30,7 @@ from torch.nn import functional as F
 
 from ...core.fastpath import NumpyCopies, numpy_eligible
 from ...core.pipeline import MinStep
+from ...runtime.rules import priced_argmax
 
 
 def support_size(x: Tensor) -> Tensor:
@@ -102,7 +103,8 @@ class SparseStopPolicy(MinStep, nn.Module):
 #: the planner's activations: ReLU since the norms planner (at equal or better quality on the quick frontier; on a
 #: 2-core CPU 6 µs against ELU's 89 µs for a (1000, 64) batch: a plan a quarter cheaper); ELU before (checkpoints
 #: without the key)
-ACTIVATIONS = {"relu": (nn.ReLU, F.relu), "elu": (nn.ELU, F.elu)}
+ACTIVATIONS = {"relu": (nn.ReLU, F.relu, lambda h: np.maximum(h, 0, out=h)),
+               "elu": (nn.ELU, F.elu, lambda h: np.where(h > 0, h, np.expm1(h)))}  # module, torch, numpy
 
 
 def _mlp(width: int, hidden: tuple[int, ...], out: int, activation: str) -> nn.Sequential:
@@ -142,7 +144,6 @@ def _head(h: Tensor, norm: nn.BatchNorm1d | None, net: nn.Sequential, training: 
 #: torch is some 25 small operations, each paying its dispatch: at batch 1 on the quick problem 97 µs, four LISTA
 #: steps, where numpy takes 23 µs (each alone, in a loop); inside a rollout both cost more (most likely the steps between
 #: evict them from the caches), and the deployed rollout ran 0.78x LISTA-16's speed against 0.68x (docs/sparse.md).
-_NUMPY_ACTIVATIONS = {"relu": lambda h: np.maximum(h, 0, out=h), "elu": lambda h: np.where(h > 0, h, np.expm1(h))}
 
 
 def _state_norms_np(y: np.ndarray, x: np.ndarray, previous: np.ndarray | None = None) -> np.ndarray:
@@ -171,7 +172,7 @@ def _state_norms_np(y: np.ndarray, x: np.ndarray, previous: np.ndarray | None = 
 class _NumpyHead:
     """A frozen numpy copy of a planner head (its standardisation folded into the first layer) that gives the
     price rule's stop steps, argmax_{u >= t} logit(u) - price * u / T (the argmax of log q_phi, which differs
-    from the logits by a constant per row); the price's column vector is kept per (t, threshold)."""
+    from the logits by a constant per row); the last layer's columns of steps t..T are kept per t."""
 
     def __init__(self, norm: nn.BatchNorm1d | None, net: nn.Sequential, activation: str):
         lins = [layer for layer in net if isinstance(layer, nn.Linear)]
@@ -182,18 +183,15 @@ class _NumpyHead:
             biases[0] = biases[0] - (norm.running_mean.detach().double() * inv) @ weights[0]
             weights[0] = weights[0] * inv[:, None]
         self.layers = [(w.float().numpy().copy(), b.float().numpy().copy()) for w, b in zip(weights, biases)]
-        self.act = _NUMPY_ACTIVATIONS[activation]
+        self.act = ACTIVATIONS[activation][2]
         self.T = self.layers[-1][1].shape[0]
-        self._last: dict[tuple[int, float], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._last: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def stop_steps(self, f: np.ndarray, t: int, threshold: float) -> Tensor:
-        last = self._last.get((t, threshold))
+        last = self._last.get(t)
         if last is None:
-            if len(self._last) >= 64:  # a sweep over many prices keeps the last few
-                self._last.clear()
             w, b = self.layers[-1]
-            c = np.arange(t, self.T + 1, dtype=np.float32) / np.float32(self.T)
-            last = self._last[(t, threshold)] = (w[:, t - 1:].copy(), b[t - 1:].copy(), np.float32(threshold) * c)
+            last = self._last[t] = (w[:, t - 1:].copy(), b[t - 1:].copy())
         h = f
         for w, b in self.layers[:-1]:
             h = self.act(h @ w + b)
@@ -201,7 +199,7 @@ class _NumpyHead:
         if not np.isfinite(z.sum()):
             raise ValueError(f"the planning policy returned NaN or inf log q_phi at step {t}")
         z -= z.max(axis=1, keepdims=True)  # <= 0, as log q: the largest price (never stop early) cannot overflow
-        return torch.from_numpy((z + last[2]).argmax(axis=1) + t)
+        return torch.from_numpy(priced_argmax(z, t, self.T, threshold))
 
 
 class SparseDepthPlanner(MinStep, nn.Module):
@@ -334,10 +332,6 @@ class SparseDepthPlanner(MinStep, nn.Module):
         norm, net = (self.plan_norm, self.net) if which == "plan" else (self.replan_norm, self.replan_net)
         return self._numpy.get(which, lambda: [*net.parameters(), *(() if norm is None else (norm.running_mean, norm.running_var))],
                                lambda: _NumpyHead(norm, net, self.activation))
-
-    def train(self, mode: bool = True) -> "SparseDepthPlanner":
-        self._numpy.clear()  # a copy lives for one stretch of inference
-        return super().train(mode)
 
     def get_extra_state(self) -> dict:
         return {**super().get_extra_state(), "replan_step": self.replan_step, "inputs": self.inputs,
