@@ -11,6 +11,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -28,6 +29,11 @@ def torch_only() -> Iterator[None]:
         yield
     finally:
         _enabled = before
+
+
+#: activations in numpy, by the name of their torch module's function (``h`` may be overwritten)
+NUMPY_ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "relu": lambda h: np.maximum(h, 0, out=h), "elu": lambda h: np.where(h > 0, h, np.expm1(h))}
 
 
 def numpy_eligible(module: nn.Module, *tensors: Tensor) -> bool:
