@@ -8,7 +8,7 @@ from learn2stop.core import SignalRule, run_with_early_exit, unroll
 from learn2stop.core.loop import StepView
 from learn2stop.core.rules import PriceSignal, make_signal
 from learn2stop.tasks.sparse import LISTA
-from learn2stop.core.fastpath import NUMPY_MAX_BATCH
+from learn2stop.core.fastpath import NUMPY_MAX_BATCH, torch_only
 from learn2stop.tasks.sparse.policy import SparseDepthPlanner, _state_norms, _state_norms_np
 
 T, S1, S2 = 12, 3, 7
@@ -36,14 +36,13 @@ def _states(batch, g):
 
 
 def _both(planner, y, x, prev, threshold):
-    """(numpy, torch) stop steps of the price rule's first and second plans: with gradients enabled the planner
-    leaves the plan to the rule's torch path."""
+    """(numpy, torch) stop steps of the price rule's first and second plans."""
     rule = SignalRule(make_signal("price", planner), threshold)
     first, second = StepView(S1, T, y, x, None, x, torch.arange(len(y))), StepView(S2, T, y, x, prev, x, torch.arange(len(y)))
     with torch.no_grad():
         fast = (rule.plan(first), rule.replan(second))
-    with torch.enable_grad():
-        slow = (rule.plan(first), rule.replan(second))
+        with torch_only():
+            slow = (rule.plan(first), rule.replan(second))
     return fast, slow
 
 
