@@ -16,6 +16,8 @@ row's stop step there; one that plans again (``replan_step``) gives the rows sti
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 
@@ -129,8 +131,15 @@ def priced_argmax(late: np.ndarray, t: int, T: int, threshold: float) -> np.ndar
     per row, at most 0) + threshold * s / T (threshold = -price); +inf ("never stop early"): T."""
     if not np.isfinite(threshold):
         return np.full(late.shape[0], T, dtype=np.int64)
-    c = np.arange(t, T + 1, dtype=np.float32) / np.float32(T)
-    return (late + np.float32(threshold) * c).argmax(axis=1) + t
+    return (late + _price_column(t, T, float(threshold))).argmax(axis=1) + t
+
+
+@functools.lru_cache(maxsize=256)
+def _price_column(t: int, T: int, threshold: float) -> np.ndarray:
+    """threshold * s / T for s = t..T, float32 (read-only: shared by every call at that step and price)."""
+    c = np.float32(threshold) * (np.arange(t, T + 1, dtype=np.float32) / np.float32(T))
+    c.flags.writeable = False
+    return c
 
 
 def _log_q(plan: np.ndarray) -> np.ndarray:
