@@ -39,7 +39,7 @@ NUMPY_ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 def numpy_eligible(module: nn.Module, *tensors: Tensor) -> bool:
     """Whether ``module`` may decide on ``tensors`` (batch-first, the first one's rows the batch) in numpy: at
     inference (eval mode, no gradients), on a CPU, in float32, at most :data:`NUMPY_MAX_BATCH` rows, and not while
-    torch records a graph (ONNX export, ``torch.jit.trace``, ``torch.compile``), which would keep the numpy result
+    torch records a graph (ONNX export, ``torch.jit.trace``, ``torch.compile``, ``torch.export``), which would keep the numpy result
     as a constant."""
     if not _enabled or _tracing() or module.training or torch.is_grad_enabled() \
             or tensors[0].shape[0] > NUMPY_MAX_BATCH:  # (tracing first: it records the shape's comparison)
@@ -84,4 +84,5 @@ def _stamps(tensors: list[Tensor]) -> tuple[tuple[int, int], ...]:
 
 
 def _tracing() -> bool:
-    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling()
+    # the TorchScript-based ONNX exporter traces (jit); torch.onnx.is_in_onnx_export costs a microsecond, 30x these
+    return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
