@@ -139,6 +139,56 @@ def test_every_architecture_trains_evaluates_and_predicts_a_tiny_config(arch, tm
     assert len(pred) == 1 and 1 <= pred[0]["exit"] <= steps
 
 
+def test_a_run_no_threshold_of_which_keeps_the_baselines_accuracy_deploys_the_network_alone(
+        trained, tmp_path, monkeypatch, capsys):
+    """When no threshold of the stop model reaches the network alone's accuracy on validation, what a user who
+    keeps that accuracy ships is the network alone: reproduce records it, evaluate's deployed row and predict
+    serve it, the stop model's configured rule is the second row; a calibration put in since wins."""
+    import shutil
+
+    import learn2stop.core.pipeline as pipeline
+    from learn2stop.tasks.base import RunContext
+    from learn2stop.tasks.classify import APP, ClassifyConfig
+    from learn2stop.utils.config import from_dict, load_yaml
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run, ignore=shutil.ignore_patterns(".lock", "calibration.json", "deployment.json"))
+    cfg = from_dict(ClassifyConfig, load_yaml(run / "config.yaml"))
+    monkeypatch.setattr(APP, "quality_lead", lambda cfg, val, base: -0.01)  # the stop model trails
+    monkeypatch.setattr(pipeline, "calibrate_match", lambda *a, **k: None)  # and no threshold reaches it
+    assert pipeline.deploy_calibration(APP, cfg, RunContext(run_dir=run, progress=False)) is None
+    assert not (run / "calibration.json").exists()
+    record = json.loads((run / "deployment.json").read_text())
+    assert record["stage"] == "baseline" and "no threshold" in record["reason"]
+    assert main(["classify", "evaluate", "--run-dir", str(run), *TINY]) == 0
+    res = json.loads((run / "results.json").read_text())
+    dep = res["deployed"]
+    assert dep["accuracy"] == pytest.approx(res["per_exit"]["network alone"][-1]) and dep["flops_fraction"] == 1.0
+    assert dep["rule"].startswith("the network alone")
+    assert "deploys baseline at full depth instead" in dep["stop_model"]["rule"]
+    text = (run / "table7.md").read_text()
+    assert "Deployed (the network alone, no early exit: no threshold" in text and "configured rule" in text
+    img = tmp_path / "x.png"
+    Image.fromarray(np.zeros((16, 16, 3), dtype=np.uint8)).save(img)
+    assert main(["classify", "predict", "--run-dir", str(run), "--predict.input", str(img), *TINY]) == 0
+    pred = json.loads((run / "predictions.json").read_text())
+    net = pipeline.load_stage(APP, cfg, run, "baseline").model
+    assert pred["rule"].startswith("the network alone")
+    assert pred["predictions"][0]["exit"] == 6 and pred["predictions"][0]["flops"] == net.network_flops
+    # the config's rule, asked for, puts the stop model back; so does a calibration
+    assert main(["classify", "predict", "--run-dir", str(run), "--predict.input", str(img), *TINY,
+                 "--inference.use_calibrated", "false"]) == 0
+    assert "network alone" not in json.loads((run / "predictions.json").read_text())["rule"]
+    monkeypatch.setattr(APP, "quality_lead", lambda cfg, val, base: 0.02)
+    assert pipeline.deploy_calibration(APP, cfg, RunContext(run_dir=run, progress=False)) is not None
+    assert (run / "calibration.json").is_file() and not (run / "deployment.json").exists()
+    (run / "calibration.json").unlink()
+    (run / "deployment.json").write_text('{"stage": "sdn", "reason": "x"}')
+    capsys.readouterr()
+    assert main(["classify", "predict", "--run-dir", str(run), "--predict.input", str(img), *TINY]) == 2
+    assert "deployment.json" in capsys.readouterr().err
+
+
 def test_the_deployed_epsilon_is_the_accuracy_lead_not_the_consistency_risk():
     """The stop model right on 30 images the baseline misses, wrong on 40 it gets: a lead of -10 of 100 (the
     consistency loss would count +30 %, and let the deployed rule fall below the baseline)."""

@@ -15,6 +15,7 @@ its data, metric and report. The core runs the rest, the same way for every task
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -401,7 +402,8 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
     Saved as the run's ``calibration.json`` (used by ``evaluate``), unless the run already has one (a user's
     own calibration wins). With no lead at full depth (an earlier exit may still be better than the last), the
     cheapest threshold that matches the baseline's full depth on validation, empirically, with no guarantee
-    (target kind ``match``). None, with the reason logged, when no threshold reaches it.
+    (target kind ``match``). None when no threshold reaches it: then the run deploys the baseline at full depth,
+    recorded with the reason in ``deployment.json`` (:func:`served_baseline`).
     """
     if load_calibration(run.run_dir) is not None or not app.baseline_stage:
         return None
@@ -428,13 +430,18 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
         cal = calibrate_match(val.signals[rule], costs, lambda stops: metric(val.at(stops), val.extras), metric.better,
                               goal, rule, to_param=signal.to_param)
         if cal is None:
-            run.log(f"deployed rule: no threshold of the stop model's {rule} rule reaches {reference} on validation "
-                    f"(full-depth lead {lead:.4g}), so the configured {app.inference(cfg).rule} rule stays")
+            reason = (f"no threshold of the stop model's {rule} rule reaches {reference} on validation "
+                      f"(full-depth lead {lead:.4g})")
+            if run.ctx.is_main:
+                write_json({"stage": app.baseline_stage, "reason": reason}, Path(run.run_dir) / DEPLOYMENT_FILE)
+            run.log(f"deployed: {app.baseline_stage} at full depth, as {reason}; the stop model keeps the configured "
+                    f"{app.inference(cfg).rule} rule")
             return None
         how = f"no full-depth lead ({lead:.4g}) to certify: the cheapest threshold matching it on validation, no guarantee"
     cal.target["reference"] = reference
     if run.ctx.is_main:
         save_calibration(cal, run.run_dir)
+        (Path(run.run_dir) / DEPLOYMENT_FILE).unlink(missing_ok=True)
     run.log(f"deployed rule: {rule} calibrated to keep {app.baseline_stage}'s full-depth quality ({how}): "
             f"{signal.param_name} = {cal.param:.4g}, {100 * cal.calibration['mean_cost']:.1f} % of the cost on validation")
     return cal
@@ -573,8 +580,38 @@ def shuffled(inputs: Any, seed: int = 0) -> Any:
     return tree_select(inputs, order.to(tree_leaves(inputs)[0].device))
 
 
+DEPLOYMENT_FILE = "deployment.json"
+
+
+def served_baseline(app: StoppingApp, cfg: Any, run_dir) -> str | None:
+    """Why the run deploys its baseline at full depth rather than the stop model, or None.
+
+    ``reproduce`` (:func:`deploy_calibration`) records it in ``deployment.json`` when no threshold of the stop
+    model reaches the baseline's full-depth quality on validation: a user who must keep that quality ships the
+    baseline. A calibration saved since (``calibrate``: a user's own operating point) and ``use_calibrated:
+    false`` (the config's rule, asked for) both put the stop model back.
+    """
+    inference = app.inference(cfg)
+    if run_dir is None or not app.baseline_stage or not inference.use_calibrated or inference.sampled:
+        return None
+    path = Path(run_dir) / DEPLOYMENT_FILE
+    if not path.is_file() or load_calibration(run_dir) is not None:
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        stage, reason = data["stage"], data["reason"]
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path} is not a valid deployment record ({e!r}); run reproduce again or delete it") from None
+    if stage != app.baseline_stage or not isinstance(reason, str):
+        raise ConfigError(f"{path}: stage {stage!r} is not this task's baseline {app.baseline_stage!r}; "
+                          f"run reproduce again or delete the file")
+    return reason
+
+
 def deployed_rule(app: StoppingApp, cfg: Any, run_dir, sm: StoppingModel, generator=None):
-    """The rule a trained run uses at inference: its calibration if any, else the config's (rule, description)."""
+    """The rule a trained run uses at inference: its calibration if any, else the config's (rule, description).
+    When the run deploys its baseline (:func:`served_baseline`) this is the stop model's rule, and the description
+    says so."""
     check_config(cfg)
     inference = app.inference(cfg)
     check_rule(app, cfg, inference.rule, "inference.rule")
@@ -584,4 +621,8 @@ def deployed_rule(app: StoppingApp, cfg: Any, run_dir, sm: StoppingModel, genera
         check_policy_rule(cal.rule, sm, f"{Path(run_dir) / 'calibration.json'}: rule")
     elif not inference.sampled:
         check_policy_rule(inference.rule, sm, "inference.rule")
-    return active_rule(app.inference(cfg), run_dir, sm.policy, generator=generator)
+    rule, desc = active_rule(app.inference(cfg), run_dir, sm.policy, generator=generator)
+    reason = served_baseline(app, cfg, run_dir)
+    if reason is not None:
+        desc += f" (the run deploys {app.baseline_stage} at full depth instead: {reason})"
+    return rule, desc
