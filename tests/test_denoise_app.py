@@ -220,5 +220,7 @@ def test_reproduce_deploys_the_rule_that_keeps_the_baselines_quality(trained, tm
         cal = json.loads(path.read_text())
         assert cal["target"]["kind"] == "risk" and cal["target"]["reference"] == "heads at full depth"
         assert out["rule"].startswith("calibrated")
-    else:  # no lead to spend: the configured rule stays
+    else:  # no lead to spend and no threshold matches: the configured rule stays, and the run deploys the baseline
         assert not out["rule"].startswith("calibrated")
+        assert json.loads((copy / "deployment.json").read_text())["stage"] == "heads"
+        assert "the run deploys heads at full depth instead" in out["rule"]
