@@ -399,7 +399,7 @@ def _replace(tmp: Path, out: Path) -> None:
 def export_command(app: Any, cfg: Any, run: Any, *, out: str | None, task: str = "custom") -> dict:
     """``learn2stop <task> export --run-dir R --out DIR``: the run's stop model and deployed rule as ONNX."""
     from .core.calibration import load_calibration
-    from .core.pipeline import _require_trained, load_stage
+    from .core.pipeline import _require_trained, load_stage, served_baseline
 
     why = getattr(app, "export_unsupported", "")
     if why:
@@ -418,4 +418,7 @@ def export_command(app: Any, cfg: Any, run: Any, *, out: str | None, task: str =
     r = manifest["rule"]
     run.log(f"exported stage {app.stop_stage!r} of {run.run_dir} to {path}: {manifest['last_step']} step graphs, "
             f"rule {r['name']} (param {r['param']}, from {r['source']})")
+    reason = served_baseline(app, cfg, run.run_dir)
+    if reason is not None:
+        run.log(f"note: the run deploys {app.baseline_stage} at full depth, not this stop model: {reason}")
     return manifest
