@@ -30,7 +30,7 @@ from typing import Any, Callable, Collection, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from .trees import batch_size, tree_detach, tree_leaves, tree_map, tree_select, tree_zip_apply, tree_zip_map
+from .trees import batch_size, take_rows, tree_detach, tree_leaves, tree_map, tree_select, tree_zip_apply, tree_zip_map
 
 
 def check_rule(rule: Any) -> None:
@@ -282,7 +282,7 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
         if result is None:
             result = tree_map(lambda x: x.new_empty((B, *x.shape[1:])) if x.dim() > 0 else x, output)
         idx = active[rows]
-        tree_zip_apply(lambda dst, src: dst.index_copy_(0, idx, src[rows]), result, output)
+        tree_zip_apply(lambda dst, src: dst.index_copy_(0, idx, take_rows(src, rows)), result, output)
         if t < T:
             stop_times[idx] = t
 
@@ -408,7 +408,7 @@ def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int
         if result is None:
             result = tree_map(lambda x: x.new_empty((B, *x.shape[1:])) if x.dim() > 0 else x, out)
         idx = active[rows]
-        tree_zip_apply(lambda dst, src: dst.index_copy_(0, idx, src[rows]), result, out)
+        tree_zip_apply(lambda dst, src: dst.index_copy_(0, idx, take_rows(src, rows)), result, out)
 
     previous = None
     for t in range(1, T + 1):

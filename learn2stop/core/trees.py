@@ -61,9 +61,25 @@ def batch_size(tree: Any) -> int:
     return size
 
 
-def tree_select(tree: Any, index: Tensor) -> Any:
-    """Rows ``index`` (bool mask or long indices) of every batch-first tensor leaf."""
-    return tree_map(lambda x: x[index] if x.dim() > 0 else x, tree)
+def take_rows(x: Tensor, index: Tensor | slice) -> Tensor:
+    """Rows ``index`` (a slice, a bool mask or long indices) of a batch-first tensor: ``x[index]``, by
+    ``index_select`` for indices on x's device. On a CPU advanced indexing took 4-5x as long for the early-exit
+    loop's gathers (one thread: a (1000, 500) state 0.22 ms against 0.05; a (256, 32, 16, 16) one 0.90 against
+    0.20), and the loop gathers its state and inputs at every plan and at every step where a sample stops. Only
+    for a contiguous x: ``index_select`` returns a contiguous tensor, and a channels-last state (the classify
+    networks) made contiguous slowed the next convolutions more than the gather saved (measured: the confidence
+    rule's rollouts of VGG quick at batch 256 took 848 ms per 1,024 images against 742)."""
+    if isinstance(index, Tensor) and index.device == x.device and index.dim() == 1 and x.is_contiguous():
+        if index.dtype == torch.bool and index.shape[0] == x.shape[0]:  # (another length: x[index]'s own error)
+            index = index.nonzero().squeeze(1)
+        if index.dtype == torch.long:
+            return x.index_select(0, index)
+    return x[index]
+
+
+def tree_select(tree: Any, index: Tensor | slice) -> Any:
+    """Rows ``index`` (a slice, a bool mask or long indices) of every batch-first tensor leaf."""
+    return tree_map(lambda x: take_rows(x, index) if x.dim() > 0 else x, tree)
 
 
 def tree_cat(trees: list[Any]) -> Any:
