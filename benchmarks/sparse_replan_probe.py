@@ -21,6 +21,10 @@ first plan's log q as an input. Features at s2 (``--features``):
   log relative size of its last move ||x_s2 - x_(s2-1)|| (the tolerance test's signal), log ||y||;
 - ``cheap-nomove``: ``cheap`` without the last move.
 
+(``cheap`` is the deployed second plan's input, ``learn2stop.tasks.sparse.policy._state_norms``. Until 2026-11-27 the
+probe kept its own copy of it, with other small constants inside the logs: the docs' probe numbers of that date
+and earlier came from the copy.)
+
 ``--no-first-plan`` leaves the first plan's log q out of the second head's input (a stateless second head);
 ``--replan-step`` equal to the plan step refits the first plan on the same information (what a better fit alone
 gives).
@@ -41,18 +45,9 @@ from learn2stop.core.distributions import log_cost_prior, log_oracle_distributio
 from learn2stop.core.pipeline import load_stage
 from learn2stop.tasks.sparse.app import APP
 from learn2stop.tasks.sparse.config import SparseConfig
+from learn2stop.tasks.sparse.policy import _state_norms
 from learn2stop.tasks.sparse.problem import ProblemConfig, fixed_set, make_matrix, sample_problems
 from learn2stop.utils.config import load_run_config
-
-
-def cheap_features(y: Tensor, x: Tensor, x_prev: Tensor, move: bool = True) -> Tensor:
-    """(B, 6) statistics of the state at the re-plan step that need no product with A ((B, 4) without the move)."""
-    size = x.norm(dim=1)
-    cols = [x.abs().sum(1).add(1e-6).log(), size.add(1e-6).log(), (x != 0).float().mean(1), y.norm(dim=1).log()]
-    if move:
-        step = (x - x_prev).norm(dim=1)
-        cols += [step.add(1e-9).log(), (step / (size + 1e-9)).add(1e-9).log()]
-    return torch.stack(cols, dim=1)
 
 
 @torch.no_grad()
@@ -66,7 +61,7 @@ def rollout(model, planner, y: Tensor, x_true: Tensor, s2: int, features: str) -
         xs.append(x)
     xs = torch.stack(xs, dim=1)  # (B, T, n)
     f2 = (planner.extract(y, xs[:, s2 - 1]) if features == "full"
-          else cheap_features(y, xs[:, s2 - 1], xs[:, s2 - 2], move=features == "cheap"))
+          else _state_norms(y, xs[:, s2 - 1], xs[:, s2 - 2] if features == "cheap" else None))
     return {"errors": (xs - x_true[:, None]).pow(2).sum(2), "log_q1": planner.plan_log_q(y, xs[:, s1 - 1], s1),
             "f2": f2, "tolerance": (xs[:, 1:] - xs[:, :-1]).norm(dim=2) / (xs[:, 1:].norm(dim=2) + 1e-12)}
 
