@@ -309,3 +309,44 @@ def test_the_loop_refuses_what_cannot_run_by_name():
 
     with pytest.raises(ValueError, match="NaN or inf stop logits at its plan step 2"):
         run_with_early_exit(model, torch.randn(2, 3), PolicyRule(NaNPlanner(4, plan_step=2)))
+
+
+class ReadCounting(ToyStepModel):
+    """A toy whose readout (an exit head, say) records the rows it reads out at each step."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.read: dict[int, int] = {}
+
+    def readout(self, t, state, inputs):
+        self.read[t] = self.read.get(t, 0) + state.shape[0]
+        return state * 2  # not the state itself: a head
+
+
+@pytest.mark.parametrize("device_mode", [False, True])
+def test_the_model_is_read_out_only_where_something_reads_it(device_mode):
+    """Full depth reads out at T alone; a fixed depth at its depth; a per-step rule from the step before its first
+    ask (its previous output); a plan at its step and each row at its stop step. Outputs as full depth's."""
+    torch.manual_seed(0)
+    model, y = ReadCounting(num_steps=6), torch.randn(9, 3)
+    full = unroll(model, y, keep_outputs=True)
+    kw = {"compact_every": 2} if device_mode else {}
+
+    def read(rule):
+        model.read = {}
+        r = run_with_early_exit(model, y, rule, **kw)
+        torch.testing.assert_close(r.outputs, torch.stack([full.step_outputs[t - 1][i]
+                                                           for i, t in enumerate(r.stop_times.tolist())]))
+        return model.read, r.stop_times
+
+    assert read(FixedDepth())[0] == {6: 9}
+    assert read(FixedDepth(4))[0] == {4: 9}
+    # device mode computes a stopped row on to the next compaction (step 6 here)
+    assert read(CountingRule(first_step=3, stop_at=5))[0] == ({2: 9, 3: 9, 4: 9, 5: 9, 6: 9} if device_mode else
+                                                               {2: 9, 3: 9, 4: 9, 5: 9})
+    assert set(read(SignalRule(ToleranceSignal(), -1e-9))[0]) == set(range(1, 7))  # asked from step 2
+    if not device_mode:
+        times = torch.tensor([1, 3, 3, 6, 2, 6, 3, 5, 1])
+        assert read(StopAtTimes(times))[0] == {1: 2, 2: 1, 3: 3, 5: 1, 6: 2}  # each row at its stop step only
+        got, stops = read(SignalRule(QuantileSignal(Planner(6, plan_step=2)), QuantileSignal.from_param(0.5)))
+        assert got == {2: 9, **{t: int((stops == t).sum()) for t in range(3, 7) if (stops == t).any()}}

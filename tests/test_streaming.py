@@ -94,3 +94,16 @@ def test_streaming_benchmark_runs_on_a_tiny_config(tmp_path):
     assert rows[0]["mean_depth"] == 5 and all(r["throughput"] > 0 and r["p95_ms"] >= r["p50_ms"] for r in rows)
     assert rows[1]["mean_depth"] == rows[2]["mean_depth"]  # the same rule, the same stops
     assert json.loads((tmp_path / "s.json").read_text())["sparse"]["rows"][0]["server"] == "full depth, batched"
+
+
+def test_the_stream_reads_the_model_out_only_where_the_loop_does():
+    from test_planned_loop import ReadCounting
+
+    torch.manual_seed(0)
+    model, x = ReadCounting(num_steps=6), torch.randn(11, 3)
+    for rule, want in ((FixedDepth(), {6: 11}), (FixedDepth(4), {4: 11})):
+        model.read = {}
+        runner, ids = _stream(model, rule, x, max_batch=4)
+        assert model.read == want and {runner.finished[i].stop_time for i in ids} == set(want)
+        torch.testing.assert_close(torch.cat([runner.finished[i].output for i in ids]),
+                                   run_with_early_exit(model, x, rule).outputs)

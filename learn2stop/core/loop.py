@@ -65,9 +65,12 @@ def first_ask(rule: Any) -> int:
 #:   ``priced_replan(inputs, output, previous_output, t, threshold) -> (B,)`` the price rule's stop steps,
 #:   argmax_{u >= t} log q_phi(u) + threshold * u / T, computed by the policy where it has a faster way (a
 #:   small batch on a CPU), or None; absent or None: the rule takes the argmax of ``plan_log_q`` itself;
-#: - ``first_step`` (rule): the first step the loop asks it at (2 for a tolerance test); absent: 1.
+#: - ``first_step`` (rule): the first step the loop asks it at (2 for a tolerance test); absent: 1;
+#: - ``reads_previous`` (per-step rule): whether it reads ``previous_output`` at its first step, so that the
+#:   loop reads the model out the step before; absent: True (a fixed depth: False).
 OPTIONAL_MEMBERS: dict[str, Any] = {"exit_costs": None, "min_step": 1, "plan_step": None, "plan_log_q": None,
-                                    "replan_step": None, "priced_plan": None, "priced_replan": None, "first_step": 1}
+                                    "replan_step": None, "priced_plan": None, "priced_replan": None, "first_step": 1,
+                                    "reads_previous": True}
 
 
 def member(obj: Any, name: str) -> Any:
@@ -242,6 +245,11 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
     - a per-step rule (``rule(view) -> (B,) bool``) is called at the steps ``first_ask(rule)``..T-1,
       with one host synchronisation there (how many stopped) and none elsewhere.
 
+    The model is read out (``readout``: an exit head, a decoder) only where something reads it: where the rule
+    is asked (and the step before, for its ``previous_output``), at a plan's steps, and for the rows that stop;
+    a planned row is read out at its stop step alone. So full depth costs the network alone plus the loop,
+    not every exit head (the exported graphs skip them alike: :mod:`learn2stop.export`).
+
     Inputs are not checked here (this is the hot path): :class:`StoppingModel` checks them once.
 
     Args:
@@ -268,6 +276,11 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
     replan_step = member(rule, "replan_step") if plan_step is not None else None
     check_replan_step(plan_step, replan_step, T)
     first = first_ask(rule)
+    # where the model is read out for every running row: a per-step rule from the step before its first ask (its
+    # previous output) on, a planned one at its plans and the step before the second; both at T. A planned row that
+    # stops elsewhere is read out alone (finish).
+    read_from = min(first - 1 if member(rule, "reads_previous") else first, T)
+    read_at = {plan_step, replan_step, None if replan_step is None else replan_step - 1, T}
     state = _first(model.initial_state, model, inputs)
     device = tree_leaves(state)[0].device if tree_leaves(state) else tree_leaves(inputs)[0].device
     active = torch.arange(B, device=device)  # (B_active,) original rows of the running samples
@@ -278,11 +291,16 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
     previous = None
 
     def finish(rows: slice | Tensor, output: Any, t: int) -> None:
+        """Write the running rows ``rows`` at their stop step t; ``output`` None: read them out here first."""
         nonlocal result
+        if output is None:  # planned rows are read out at their stop step only
+            output, rows_of_output = _readout(model, t, tree_select(state, rows), tree_select(inputs, rows)), slice(None)
+        else:
+            rows_of_output = rows
         if result is None:
             result = tree_map(lambda x: x.new_empty((B, *x.shape[1:])) if x.dim() > 0 else x, output)
         idx = active[rows]
-        tree_zip_apply(lambda dst, src: dst.index_copy_(0, idx, take_rows(src, rows)), result, output)
+        tree_zip_apply(lambda dst, src: dst.index_copy_(0, idx, take_rows(src, rows_of_output)), result, output)
         if t < T:
             stop_times[idx] = t
 
@@ -319,7 +337,7 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
     for t in range(1, T + 1):
         if remaining is not None and remaining[t - 1] < active.numel():  # planned mode: keep the leading rows
             previous, = lead(remaining[t - 1], previous)
-        state, output = _step(model, t, state, inputs)
+        state, output = _step(model, t, state, inputs, read=t in read_at if plan_step is not None else t >= read_from)
         if t == T:
             finish(slice(None), output, T)
             break
@@ -397,6 +415,7 @@ def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int
     T = model.num_steps
     B = batch_size(inputs)
     first = first_ask(rule)
+    read_from = min(first - 1 if member(rule, "reads_previous") else first, T)
     state = _first(model.initial_state, model, inputs)
     device = tree_leaves(state)[0].device if tree_leaves(state) else tree_leaves(inputs)[0].device
     active = torch.arange(B, device=device)
@@ -412,7 +431,7 @@ def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int
 
     previous = None
     for t in range(1, T + 1):
-        state, output = _step(model, t, state, inputs)
+        state, output = _step(model, t, state, inputs, read=t >= read_from)
         if done is not None:  # rows already stopped keep the output of their stop step
             output = tree_zip_map(lambda h, o: torch.where(done.view(-1, *([1] * (o.dim() - 1))), h, o), held, output)
         if t == T:
@@ -442,16 +461,17 @@ def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int
     return Rollout(outputs=result, stop_times=stop_times, num_steps=T)
 
 
-def _step(model: Any, t: int, state: Any, inputs: Any, readout_grad: bool = True) -> tuple[Any, Any]:
-    """(state, output) of step t; the first step's shape or dtype errors are reported in the user's terms.
-    ``readout_grad=False``: the output without gradients (the state keeps them)."""
-    if t > 1:
-        state = model.step(t, state, inputs)
-        with torch.set_grad_enabled(readout_grad and torch.is_grad_enabled()):
-            return state, model.readout(t, state, inputs)
-    state = _first(lambda i: model.step(1, state, i), model, inputs)
+def _step(model: Any, t: int, state: Any, inputs: Any, readout_grad: bool = True, read: bool = True) -> tuple[Any, Any]:
+    """(state, output) of step t (``read=False``: output None, not read out); the first step's shape or dtype
+    errors are reported in the user's terms. ``readout_grad=False``: the output without gradients (the state
+    keeps them)."""
+    state = model.step(t, state, inputs) if t > 1 else _first(lambda i: model.step(1, state, i), model, inputs)
+    return state, _readout(model, t, state, inputs, readout_grad) if read else None
+
+
+def _readout(model: Any, t: int, state: Any, inputs: Any, readout_grad: bool = True) -> Any:
     with torch.set_grad_enabled(readout_grad and torch.is_grad_enabled()):
-        return state, _first(lambda i: model.readout(1, state, i), model, inputs)
+        return model.readout(t, state, inputs) if t > 1 else _first(lambda i: model.readout(1, state, i), model, inputs)
 
 
 def _first(fn: Callable, model: Any, inputs: Any) -> Any:

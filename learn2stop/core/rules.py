@@ -373,6 +373,8 @@ class SignalRule:
 class FixedDepth:
     """Stop every sample at step ``depth`` (default: T, i.e. never early). Asked once, at that step."""
 
+    reads_previous = False  # (the loop reads the model out at the depth alone)
+
     def __init__(self, depth: int | None = None):
         if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
             raise ValueError(f"depth must be an integer >= 1; got {depth!r}")

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .loop import StepView, _step, check_rule, check_stepwise, first_ask, member
+from .loop import StepView, _readout, _step, check_rule, check_stepwise, first_ask, member
 from .trees import batch_size, tree_cat, tree_leaves, tree_map, tree_select
 
 
@@ -104,6 +104,11 @@ class StreamingRunner:
         self.plan_step = member(rule, "plan_step")
         self.replan_step = member(rule, "replan_step") if self.plan_step is not None else None
         self.first = first_ask(rule)
+        # read out as the loop does (run_with_early_exit): a per-step rule from the step before its first ask, a
+        # planned one at its plans, the step before its second and T; a planned request that stops elsewhere alone
+        self.read_from = min(self.first - 1 if member(rule, "reads_previous") else self.first, self.T)
+        self.read_at = {self.plan_step, self.replan_step, None if self.replan_step is None else self.replan_step - 1,
+                        self.T}
         self.queues: list[deque[_Chunk]] = [deque() for _ in range(self.T)]  # queues[t]: ran t steps
         self.finished: dict[int, Finished] = {}
         self._free = list(range(capacity - 1, -1, -1))
@@ -161,7 +166,8 @@ class StreamingRunner:
                 c.planned = self.rule.plan(StepView(0, T, c.inputs, None, None, None, c.slots)).clamp(1, T)
             c.state = model.initial_state(c.inputs)
         previous = c.output
-        c.state, c.output = _step(model, t, c.state, c.inputs)
+        c.state, c.output = _step(model, t, c.state, c.inputs,
+                                  read=t in self.read_at if self.plan_step is not None else t >= self.read_from)
         self.steps_run += 1
         self.rows_run += len(c)
         if t == T:
@@ -190,6 +196,8 @@ class StreamingRunner:
         return n_stop
 
     def _finish(self, c: _Chunk, t: int) -> int:
+        if c.output is None:  # planned requests are read out at their stop step only
+            c.output = _readout(self.model, t, c.state, c.inputs)
         now = time.perf_counter()
         for i, (rid, arrived) in enumerate(zip(c.ids, c.arrived)):
             self.finished[rid] = Finished(tree_map(lambda x, i=i: x[i:i + 1], c.output), t, arrived, now)
