@@ -67,6 +67,8 @@ def test_numpy_plans_stop_where_the_torch_plans_do(activation, batch):
     assert len(seen) >= 3  # the prices spread the plans over the steps
     fast, slow = _both(planner, y, x, prev, PriceSignal.asked_never)  # the largest price: depth T, no overflow
     assert all((a == T).all() for a in (*fast, *slow))
+    fast, slow = _both(planner, y, x, prev, -float("inf"))  # an infinite price: stop at the plan step, in both forms
+    assert (fast[0] == S1).all() and (fast[1] == S2).all() and torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
 
 
 def test_single_samples_stop_where_their_batch_does():

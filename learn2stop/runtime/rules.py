@@ -128,8 +128,9 @@ class PriceRule(Rule):
 
 def priced_argmax(late: np.ndarray, t: int, T: int, threshold: float) -> np.ndarray:
     """1-based stop steps argmax over s = t..T of ``late`` (B, T - t + 1: log q_phi of those steps, up to a constant
-    per row, at most 0) + threshold * s / T (threshold = -price); +inf ("never stop early"): T."""
-    if not np.isfinite(threshold):
+    per row, at most 0) + threshold * s / T (threshold = -price); +inf ("never stop early"): T; -inf (an infinite
+    price): t, as the torch rule."""
+    if threshold == np.inf:
         return np.full(late.shape[0], T, dtype=np.int64)
     return (late + _price_column(t, T, float(threshold))).argmax(axis=1) + t
 
