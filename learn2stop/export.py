@@ -420,5 +420,5 @@ def export_command(app: Any, cfg: Any, run: Any, *, out: str | None, task: str =
             f"rule {r['name']} (param {r['param']}, from {r['source']})")
     reason = served_baseline(app, cfg, run.run_dir)
     if reason is not None:
-        run.log(f"note: the run deploys {app.baseline_stage} at full depth, not this stop model: {reason}")
+        run.log(f"note: the run deploys {app.baseline_label} at full depth, not this stop model: {reason}")
     return manifest

@@ -165,9 +165,9 @@ def test_a_run_no_threshold_of_which_keeps_the_baselines_accuracy_deploys_the_ne
     dep = res["deployed"]
     assert dep["accuracy"] == pytest.approx(res["per_exit"]["network alone"][-1]) and dep["flops_fraction"] == 1.0
     assert dep["rule"].startswith("the network alone")
-    assert "deploys baseline at full depth instead" in dep["stop_model"]["rule"]
+    assert "deploys the network alone at full depth instead" in dep["stop_model"]["rule"]
     text = (run / "table7.md").read_text()
-    assert "Deployed (the network alone, no early exit: no threshold" in text and "configured rule" in text
+    assert "Deployed (the network alone at full depth, no early exit: no threshold" in text and "configured rule" in text
     img = tmp_path / "x.png"
     Image.fromarray(np.zeros((16, 16, 3), dtype=np.uint8)).save(img)
     assert main(["classify", "predict", "--run-dir", str(run), "--predict.input", str(img), *TINY]) == 0

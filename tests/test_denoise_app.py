@@ -142,6 +142,22 @@ def test_denoise_command_writes_images_and_depths(trained, tmp_path, capsys):
         denoise_files(cfg, run)
 
 
+def test_the_denoise_command_serves_the_baseline_where_the_run_deploys_it(trained, tmp_path, capsys):
+    """A run whose reproduce found no threshold keeping the baseline's quality (deployment.json) denoises with the
+    baseline at full depth: every image through all layers, no early exit."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(trained[1].run_dir, copy, ignore=shutil.ignore_patterns(".lock", "calibration.json"))
+    (copy / "deployment.json").write_text(json.dumps({"stage": APP.baseline_stage, "reason": "a test"}))
+    Image.fromarray((np.random.default_rng(0).random((20, 20)) * 255).astype(np.uint8), mode="L").save(tmp_path / "a.png")
+    cfg = tiny_cfg()
+    cfg.denoise.input, cfg.denoise.output = str(tmp_path / "a.png"), str(tmp_path / "out")
+    out = denoise_files(cfg, RunContext(run_dir=copy, progress=False))
+    assert "at full depth, no early exit: a test" in capsys.readouterr().out
+    assert [r["layers"] for r in out["images"]] == [cfg.model.depth]
+
+
 def test_evaluate_without_training_or_with_another_model_fails_clearly(trained, tmp_path):
     cfg, run = trained
     with pytest.raises(CheckpointError, match="not found"):
@@ -223,4 +239,4 @@ def test_reproduce_deploys_the_rule_that_keeps_the_baselines_quality(trained, tm
     else:  # no lead to spend and no threshold matches: the configured rule stays, and the run deploys the baseline
         assert not out["rule"].startswith("calibrated")
         assert json.loads((copy / "deployment.json").read_text())["stage"] == "heads"
-        assert "the run deploys heads at full depth instead" in out["rule"]
+        assert "the run deploys DnCNN (its exits warmed up on the frozen backbone) at full depth instead" in out["rule"]

@@ -81,6 +81,8 @@ class StoppingApp:
     #: the stage whose weights make the deployed stopping model, and the baseline's stage.
     stop_stage = "stage2"
     baseline_stage = "baseline"
+    #: the baseline in words, as a run that deploys it (:func:`served_baseline`) says what it serves
+    baseline_label = "the baseline"
     #: frontier x-axis for budgets: "steps" or "cost" (the model's ``exit_costs``, e.g. FLOPs).
     budget_by = "steps"
     #: batch size of the frontier's large-batch speed.
@@ -434,7 +436,7 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
                       f"(full-depth lead {lead:.4g})")
             if run.ctx.is_main:
                 write_json({"stage": app.baseline_stage, "reason": reason}, Path(run.run_dir) / DEPLOYMENT_FILE)
-            run.log(f"deployed: {app.baseline_stage} at full depth, as {reason}; the stop model keeps the configured "
+            run.log(f"deployed: {app.baseline_label} at full depth, as {reason}; the stop model keeps the configured "
                     f"{app.inference(cfg).rule} rule")
             return None
         how = f"no full-depth lead ({lead:.4g}) to certify: the cheapest threshold matching it on validation, no guarantee"
@@ -603,9 +605,20 @@ def served_baseline(app: StoppingApp, cfg: Any, run_dir) -> str | None:
     except (ValueError, OSError, KeyError, TypeError) as e:
         raise ConfigError(f"{path} is not a valid deployment record ({e!r}); run reproduce again or delete it") from None
     if stage != app.baseline_stage or not isinstance(reason, str):
-        raise ConfigError(f"{path}: stage {stage!r} is not this task's baseline {app.baseline_stage!r}; "
-                          f"run reproduce again or delete the file")
+        raise ConfigError(f"{path}: expected this task's baseline stage {app.baseline_stage!r} and a reason; got stage "
+                          f"{stage!r}, reason {reason!r}; run reproduce again or delete the file")
     return reason
+
+
+def deployed_model(app: StoppingApp, cfg: Any, run_dir, device=None, generator=None) -> tuple[StoppingModel, Any, str]:
+    """What a trained run serves, (model, rule, description): its baseline at full depth where the run deploys it
+    (:func:`served_baseline`), else the stop model with :func:`deployed_rule`. For the commands that serve inputs."""
+    reason = served_baseline(app, cfg, run_dir)
+    if reason is not None:
+        return (load_stage(app, cfg, run_dir, app.baseline_stage, device), FixedDepth(),
+                f"{app.baseline_label} at full depth, no early exit: {reason}")
+    sm = load_stage(app, cfg, run_dir, app.stop_stage, device)
+    return (sm, *deployed_rule(app, cfg, run_dir, sm, generator=generator))
 
 
 def deployed_rule(app: StoppingApp, cfg: Any, run_dir, sm: StoppingModel, generator=None):
@@ -624,5 +637,5 @@ def deployed_rule(app: StoppingApp, cfg: Any, run_dir, sm: StoppingModel, genera
     rule, desc = active_rule(app.inference(cfg), run_dir, sm.policy, generator=generator)
     reason = served_baseline(app, cfg, run_dir)
     if reason is not None:
-        desc += f" (the run deploys {app.baseline_stage} at full depth instead: {reason})"
+        desc += f" (the run deploys {app.baseline_label} at full depth instead: {reason})"
     return rule, desc

@@ -22,9 +22,9 @@ from torch import nn
 
 from ...core import Metric, StageConfig, StoppingModel, derive_seed
 from ...core.evaluation import collect_trace, evaluate_rule
-from ...core.pipeline import (Stage, StoppingApp, check_config, deployed_rule, load_stage, served_baseline,
-                              stop_model_trace)
-from ...core.rules import SIGNALS, ConfidenceSignal, EntropySignal, PatienceSignal, first_crossing
+from ...core.pipeline import (Stage, StoppingApp, check_config, deployed_model, deployed_rule, load_stage,
+                              served_baseline, stop_model_trace)
+from ...core.rules import SIGNALS, ConfidenceSignal, EntropySignal, FixedDepth, PatienceSignal, first_crossing
 from ...core.calibration import calibrate_budget
 from ...utils.config import ConfigError
 from ...utils.report import markdown_table, write_json
@@ -41,6 +41,7 @@ PAPER_TABLE7 = {"VGG16": 58.60, "SDN training (best IC)": 77.78, "Stage I (oracl
 
 # ----------------------------------------------------------------------------- the pipeline
 class ClassifyApp(StoppingApp):
+    baseline_label = "the network alone"
     budget_by = "cost"  # budgets and the frontier's x-axis in FLOPs
     frontier_also = {"sdn": "sdn"}  # the confidence, entropy and patience rules on the SDN-trained network too
     speed_batch = 256
@@ -187,7 +188,7 @@ def evaluate(cfg: ClassifyConfig, run) -> dict:
     if reason is None:
         deployed, stop_line = stop_row, ""
     else:  # the operating point a user who keeps the network alone's accuracy ships: the network alone
-        deployed = {"rule": f"the network alone, no early exit: {reason}", "accuracy": rows[0][1],
+        deployed = {"rule": f"{APP.baseline_label} at full depth, no early exit: {reason}", "accuracy": rows[0][1],
                     "mean_steps": None, "flops_fraction": 1.0, "stop_model": stop_row}
         stop_line = (f" The stop model with its configured rule ({cfg.inference.rule} {cfg.inference.param:g}): "
                      f"{stop_row['accuracy']:.2f} % at {100 * stop_row['flops_fraction']:.1f} %.")
@@ -223,22 +224,14 @@ def predict(cfg: ClassifyConfig, run) -> dict:
         for n in notes:
             run.log(f"note: {n}")
         arrays.append(arr)
-    x = imgs.prepare(torch.from_numpy(np.stack(arrays))).to(run.device)
-    reason = served_baseline(APP, cfg, run.run_dir)
-    if reason is None:
-        sm = load_stage(APP, cfg, run.run_dir, APP.stop_stage, run.device)
-        rule, desc = deployed_rule(APP, cfg, run.run_dir, sm)
-        from ...core.loop import run_with_early_exit
+    from ...core.loop import run_with_early_exit
 
-        r = run_with_early_exit(sm.model, x, rule)
-        logits, stops, flops = r.outputs, r.stop_times.tolist(), sm.model.exit_costs
-    else:  # the run deploys the network alone: its forward, no exit head
-        sm = load_stage(APP, cfg, run.run_dir, APP.baseline_stage, run.device)
-        desc = f"the network alone, no early exit: {reason}"
-        logits, stops = sm.model(x), [sm.num_steps] * len(files)
-        flops = [sm.model.network_flops] * sm.num_steps
-    out = [{"file": str(f), "class": imgs.classes[int(c)], "exit": int(t), "flops": int(flops[int(t) - 1])}
-           for f, c, t in zip(files, logits.argmax(1).tolist(), stops)]
+    sm, rule, desc = deployed_model(APP, cfg, run.run_dir, run.device)  # the network alone where the run deploys it
+    r = run_with_early_exit(sm.model, imgs.prepare(torch.from_numpy(np.stack(arrays))).to(run.device), rule)
+    alone = isinstance(rule, FixedDepth) and rule.depth is None  # no exit head is read out: the network's FLOPs
+    out = [{"file": str(f), "class": imgs.classes[int(c)], "exit": int(t),
+            "flops": int(sm.model.network_flops if alone else sm.model.exit_costs[int(t) - 1])}
+           for f, c, t in zip(files, r.outputs.argmax(1).tolist(), r.stop_times.tolist())]
     path = Path(cfg.predict.output) if cfg.predict.output else run.run_dir / "predictions.json"
     if run.ctx.is_main:
         write_json({"rule": desc, "predictions": out}, path)

@@ -21,7 +21,7 @@ import torch
 
 from ...core import FixedDepth, Metric, StoppingModel, derive_seed, run_with_early_exit
 from ...core.evaluation import collect_trace, evaluate_rule
-from ...core.pipeline import Stage, StoppingApp, check_config, deployed_rule, load_stage, min_step_hook
+from ...core.pipeline import Stage, StoppingApp, check_config, deployed_model, deployed_rule, load_stage, min_step_hook
 from ...core.rules import ToleranceSignal
 from ...utils.config import ConfigError, to_dict
 from ...utils.report import write_json
@@ -41,6 +41,7 @@ class DenoiseApp(StoppingApp):
 
     stop_stage = "stage2"
     baseline_stage = "heads"  # the frontier's baseline: DnCNN with exits on its frozen backbone
+    baseline_label = "DnCNN (its exits warmed up on the frozen backbone)"
     budget_by = "cost"  # budgets in multiply-accumulates (the model's exit_costs), not in exits
     speed_batch = 8  # 8 test images at once (larger CPU batches of 128x128 images thrash the allocator)
     export_dynamic_dims = {"inputs": [2, 3]}  # export: images of any height and width
@@ -176,8 +177,10 @@ def denoise_files(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
         raise ImageDataError(f"input not found: {src}")
     files = list_images(src) if src.is_dir() else [src]
     out_dir = Path(c.output) if c.output else run.run_dir / "denoised"
-    sm = load_stage(APP, cfg, run.run_dir, APP.stop_stage if c.model == "stop" else "baseline", run.device)
-    rule, desc = deployed_rule(APP, cfg, run.run_dir, sm) if c.model == "stop" else (FixedDepth(), "full depth")
+    if c.model == "stop":  # what the run deploys: DnCNN-stop and its rule, or its baseline where the run deploys that
+        sm, rule, desc = deployed_model(APP, cfg, run.run_dir, run.device)
+    else:
+        sm, rule, desc = load_stage(APP, cfg, run.run_dir, "baseline", run.device), FixedDepth(), "full depth"
     run.log(f"denoise: {c.model} model, {desc}")
     net, records, images = sm.model, [], []
     for path in files:  # every input read and checked before any output is written

@@ -112,7 +112,7 @@ class DenoiseCommandConfig:
 
     input: str = ""
     output: str = ""  # default <run-dir>/denoised
-    model: str = "stop"  # stop (DnCNN-stop, early exit with the deployed rule) or dncnn
+    model: str = "stop"  # stop (what the run deploys: DnCNN-stop with its deployed rule, or its baseline) or dncnn
     add_sigma: float = 0.0  # > 0: add seeded Gaussian noise first (a demo on clean images)
 
     def __post_init__(self):

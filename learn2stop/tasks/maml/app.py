@@ -129,6 +129,7 @@ def preset(name: str = "quick", **overrides: Any) -> MAMLConfig:
 class MAMLApp(StoppingApp):
     """MAML (baseline) and MAML-stop (Stage I, then Stage II) on the core pipeline."""
 
+    baseline_label = "MAML"
     speed_batch = 100  # a natural large batch of tasks
     speed_samples = 50  # tasks timed one by one at batch 1 (each runs up to T inner loops)
     #: why ``export`` refuses this task (see :mod:`learn2stop.export` and the README's "Export and serve")

@@ -39,6 +39,8 @@ from .task import SparseRecoveryTask
 class SparseApp(StoppingApp):
     """LISTA-stop on the core pipeline: LISTA baseline, Stage I, II, optional III, AEVB."""
 
+    baseline_label = "LISTA"
+
     def task(self, cfg: SparseConfig) -> SparseRecoveryTask:
         return self.cached(f"task {to_dict(cfg.problem)}", lambda: SparseRecoveryTask(cfg.problem))
 
