@@ -12,7 +12,9 @@ test problems, in a fixed random order) at batch 1 and at a large batch:
   plans run in numpy (``learn2stop/core/fastpath.py``), the first plan in torch beside them;
 - whole rollouts: LISTA at full depth, the first run's stop model at a fixed depth (``--fixed``), and for each run
   the deployed price rule and the same rollout with its stop times given in advance (``StopAtTimes``: a free plan,
-  what the loop's shrinking batch alone gives; the gap to the deployed rule is what planning costs in place), and
+  what the loop's shrinking batch alone gives; the gap to the deployed rule is what planning costs in place), the
+  same rollout with its plans replayed at the plan steps (the same sorts and gathers; the gap to the deployed rule is
+  what computing the plans costs in place), and
   at a small batch the deployed rule with its plans in torch.
 
 Runs compared must share the problem (the first run's test inputs feed every model). Each time is the best of
@@ -112,8 +114,14 @@ def main(argv=None) -> dict:
                     parts[f"{name}: second plan"] = (lambda v=views[planner.replan_step], r=rule(): r.replan(v))
                 if bs <= NUMPY_MAX_BATCH:  # these plans ran in numpy: their torch form beside them
                     parts[f"{name}: first plan, in torch"] = _in_torch(lambda v=views[s], r=rule(): r.plan(v))
-                times = run_with_early_exit(model, data, rule()).stop_times
+                recorder = _Recorder(rule(), data.shape[0])
+                times = run_with_early_exit(model, data, recorder).stop_times
                 depths[name] = float(times.float().mean())
+                replayed = run_with_early_exit(model, data[:bs], _Replay(recorder, slice(0, bs))).stop_times
+                if not torch.equal(replayed, times[:bs]):
+                    raise SystemExit(f"{name}: the replayed plans stop elsewhere than the rule's (a benchmark bug)")
+                rollouts[f"{name}: its plans replayed (the same sorts, no features or MLP)"] = (
+                    model, lambda k, r=recorder: _Replay(r, slice(k * bs, (k + 1) * bs)))
                 rollouts[f"{name}: deployed price rule"] = (model, lambda k, r=rule: r())
                 if bs <= NUMPY_MAX_BATCH:
                     rollouts[f"{name}: deployed, plans in torch"] = (model, lambda k, r=rule: _TorchOnly(r()))
@@ -158,6 +166,39 @@ class _TorchOnly:
     def replan(self, view):
         with torch_only():
             return self.rule.replan(view)
+
+
+class _Recorder:
+    """A planning rule that keeps the plans it makes, by row (``view.index``)."""
+
+    def __init__(self, rule, n: int):
+        self.rule, self.plan_step, self.replan_step = rule, rule.plan_step, rule.replan_step
+        self.first, self.second = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+
+    def plan(self, view):
+        times = self.rule.plan(view)
+        self.first[view.index] = times
+        return times
+
+    def replan(self, view):
+        times = self.rule.replan(view)
+        self.second[view.index] = times
+        return times
+
+
+class _Replay:
+    """Plans recorded before, made again at the same steps: the loop's sorts and gathers without the plans' cost
+    (the deployed rollout minus this is what computing the plans costs in place)."""
+
+    def __init__(self, recorded: _Recorder, rows: slice):
+        self.plan_step, self.replan_step = recorded.plan_step, recorded.replan_step
+        self.first, self.second = recorded.first[rows], recorded.second[rows]
+
+    def plan(self, view):
+        return self.first[view.index]
+
+    def replan(self, view):
+        return self.second[view.index]
 
 
 def _rollouts(model, data: torch.Tensor, rule, batch: int) -> float:

@@ -79,14 +79,15 @@ def test_device_check_out_of_time(tmp_path):
 
 
 def test_sparse_planner_cost_tiny(capsys):
-    """Two planners side by side (norms with one plan, residual with two): their parts and their rollouts, deployed
-    and with the same stop times given, are timed at both batch sizes."""
+    """Two planners side by side (norms with one plan, residual with two): their parts and their rollouts, deployed,
+    with their plans replayed and with the same stop times given, are timed at both batch sizes."""
     rows = _load("sparse_planner_cost").main(["--tiny"])
     assert set(rows) == {1, 32}
     for best in rows.values():
         assert {"one LISTA step", "norms, one plan: features", "norms, one plan: first plan",
                 "residual, two plans: second plan", "residual, two plans: deployed price rule",
                 "norms, one plan: its stop times given (free plan)", "stop model, fixed 3 steps",
+                "residual, two plans: its plans replayed (the same sorts, no features or MLP)",
                 "LISTA-4, full depth"} <= set(best) and all(v > 0 for v in best.values())
         assert "norms, one plan: second plan" not in best
     assert "| in LISTA steps |" in capsys.readouterr().out
