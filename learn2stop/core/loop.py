@@ -246,9 +246,9 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
       with one host synchronisation there (how many stopped) and none elsewhere.
 
     The model is read out (``readout``: an exit head, a decoder) only where something reads it: where the rule
-    is asked (and the step before, for its ``previous_output``), at a plan's steps, and for the rows that stop;
-    a planned row is read out at its stop step alone. So full depth costs the network alone plus the loop,
-    not every exit head (the exported graphs skip them alike: :mod:`learn2stop.export`).
+    is asked (and the step before, for its ``previous_output``), at a plan's steps, and at the steps where planned
+    rows stop. So full depth costs the network alone plus the loop, not every exit head (the exported graphs
+    skip them alike: :mod:`learn2stop.export`).
 
     Inputs are not checked here (this is the hot path): :class:`StoppingModel` checks them once.
 
@@ -276,9 +276,8 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
     replan_step = member(rule, "replan_step") if plan_step is not None else None
     check_replan_step(plan_step, replan_step, T)
     first = first_ask(rule)
-    # where the model is read out for every running row: a per-step rule from the step before its first ask (its
-    # previous output) on, a planned one at its plans and the step before the second; both at T. A planned row that
-    # stops elsewhere is read out alone (finish).
+    # where the model is read out: a per-step rule from the step before its first ask (its previous output) on, a
+    # planned one at its plans and the step before the second, and where planned rows stop (finish); both at T
     read_from = min(first - 1 if member(rule, "reads_previous") else first, T)
     read_at = {plan_step, replan_step, None if replan_step is None else replan_step - 1, T}
     state = _first(model.initial_state, model, inputs)
@@ -290,19 +289,21 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
     remaining: list[int] | None = None  # planned mode: remaining[t] = rows still running after step t
     previous = None
 
-    def finish(rows: slice | Tensor, output: Any, t: int) -> None:
-        """Write the running rows ``rows`` at their stop step t; ``output`` None: read them out here first."""
+    def finish(rows: slice | Tensor, output: Any, t: int) -> Any:
+        """Write the running rows ``rows`` at their stop step t; ``output`` None (planned: a step the plan does not
+        read): the running rows are read out here first, all of them, so that each row's output is the value it had
+        when every step was read out (a batched readout can round a row otherwise with other rows around it: sampled
+        Stage I trains through this). Returns the output."""
         nonlocal result
-        if output is None:  # planned rows are read out at their stop step only
-            output, rows_of_output = _readout(model, t, tree_select(state, rows), tree_select(inputs, rows)), slice(None)
-        else:
-            rows_of_output = rows
+        if output is None:
+            output = _readout(model, t, state, inputs)
         if result is None:
             result = tree_map(lambda x: x.new_empty((B, *x.shape[1:])) if x.dim() > 0 else x, output)
         idx = active[rows]
-        tree_zip_apply(lambda dst, src: dst.index_copy_(0, idx, take_rows(src, rows_of_output)), result, output)
+        tree_zip_apply(lambda dst, src: dst.index_copy_(0, idx, take_rows(src, rows)), result, output)
         if t < T:
             stop_times[idx] = t
+        return output
 
     def lead(k: int, *trees: Any) -> list[Any]:
         """Keep the first k running rows (planned mode: they are the ones going on); ``trees`` follow them."""
@@ -346,7 +347,7 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
         if remaining is not None:  # planned: the rows past the plan's count at t stop here, no decision
             n, left = active.numel(), remaining[t]
             if left < n:
-                finish(slice(left, n), output, t)
+                output = finish(slice(left, n), output, t)
                 if left == 0:
                     break
             if t == replan_step:  # the rows still running are planned again (and sorted), from the run so far
