@@ -351,3 +351,19 @@ def test_the_model_is_read_out_only_where_something_reads_it(device_mode):
         assert read(StopAtTimes(times))[0] == {1: 9, 2: 7, 3: 6, 5: 3, 6: 2}
         got, stops = read(SignalRule(QuantileSignal(Planner(6, plan_step=2)), QuantileSignal.from_param(0.5)))
         assert got == {2: 9, **{t: int((stops >= t).sum()) for t in range(3, 7) if (stops == t).any()}}
+
+
+def test_an_infinite_threshold_is_never_asked_and_never_stopping_is():
+    """+inf, the calibrators' "never stop early", runs full depth with no signal computed and one readout (as the
+    exported rule); ``never_stopping`` asks the signal at every step as at inference (the rule's own cost)."""
+    torch.manual_seed(0)
+    model, y = ReadCounting(num_steps=5), torch.randn(4, 3)
+    planner = Planner(5, plan_step=2)
+    for signal in (ToleranceSignal(), QuantileSignal(planner)):
+        model.read, planner.calls = {}, 0
+        r = run_with_early_exit(model, y, SignalRule(signal, math.inf))
+        assert (r.stop_times == 5).all() and model.read == {5: 4} and planner.calls == 0
+        model.read = {}
+        r = run_with_early_exit(model, y, SignalRule.never_stopping(signal))
+        assert (r.stop_times == 5).all() and len(model.read) > 1
+    assert planner.calls == 1  # the planning signal, asked, planned once

@@ -44,8 +44,8 @@ class StopSignal:
     #: a planning signal that plans the running samples again at this later step (see :meth:`replan_scores`).
     replan_step: int | None = None
     #: a threshold at which the signal is still computed (asked, or planned) as at inference but never stops a
-    #: sample before T: what timing the rule's own cost needs.
-    asked_never: float = math.inf
+    #: sample before T: what timing the rule's own cost needs (+inf is never asked: :class:`SignalRule`).
+    asked_never: float = float(torch.finfo(torch.float32).max)
 
     @staticmethod
     def to_param(threshold: float) -> float:
@@ -172,8 +172,6 @@ class PriceSignal(_LowerStops, _PolicyBased):
     """
 
     name, param_name = "price", "price"
-    #: +inf is the calibrators' "never stop early" and skips the plan; at the largest float it plans depth T.
-    asked_never = float(torch.finfo(torch.float32).max)
 
     @staticmethod
     def scores(stop_logits: Tensor) -> Tensor:
@@ -329,6 +327,10 @@ def make_signal(name: str, policy: nn.Module | None = None, key: str | Callable 
 class SignalRule:
     """Stop a sample at the first step whose signal reaches ``threshold`` (in score units).
 
+    A threshold of +inf (the calibrators' "never stop early") is never asked: full depth, as :class:`FixedDepth`,
+    with no signal computed and no exit read out (the exported rule alike). ``never_stopping`` is the signal asked
+    as at inference without stopping: its own cost.
+
     Example:
         >>> rule = SignalRule(QuantileSignal(policy), threshold=0.5)   # doctest: +SKIP
         >>> run_with_early_exit(model, inputs, rule)                     # doctest: +SKIP
@@ -339,6 +341,8 @@ class SignalRule:
             raise ValueError(f"threshold must be a number; got {threshold!r}")
         self.signal, self.threshold = signal, float(threshold)
         self.first_step, self.plan_step, self.replan_step = signal.first_step, signal.plan_step, signal.replan_step
+        if self.threshold == math.inf:  # never stops early: never asked
+            self.first_step, self.plan_step, self.replan_step = 1 << 30, None, None
         self.last_probs: Tensor | None = None
 
     def plan(self, view: StepView) -> Tensor:

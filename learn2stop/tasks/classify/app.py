@@ -22,9 +22,10 @@ from torch import nn
 
 from ...core import Metric, StageConfig, StoppingModel, derive_seed
 from ...core.evaluation import collect_trace, evaluate_rule
+from ...core.loop import first_ask, member, run_with_early_exit
 from ...core.pipeline import (Stage, StoppingApp, check_config, deployed_model, deployed_rule, load_stage,
                               served_baseline, stop_model_trace)
-from ...core.rules import SIGNALS, ConfidenceSignal, EntropySignal, FixedDepth, PatienceSignal, first_crossing
+from ...core.rules import SIGNALS, ConfidenceSignal, EntropySignal, PatienceSignal, first_crossing
 from ...core.calibration import calibrate_budget
 from ...utils.config import ConfigError
 from ...utils.report import markdown_table, write_json
@@ -183,7 +184,8 @@ def evaluate(cfg: ClassifyConfig, run) -> dict:
     sm_rule, desc = deployed_rule(APP, cfg, run.run_dir, sm)
     r = evaluate_rule(sm.model, test, lambda: sm_rule, metric, dev, runner=run.runner)
     stop_row = {"rule": desc, "accuracy": r["metric"], "mean_steps": r["mean_steps"],
-                "flops_fraction": float(flops[r["stop_times"] - 1].mean() / full_flops)}
+                "flops_fraction": sm.model.network_flops / full_flops if _reads_no_exit(sm_rule, sm.num_steps)
+                else float(flops[r["stop_times"] - 1].mean() / full_flops)}
     reason = served_baseline(APP, cfg, run.run_dir)
     if reason is None:
         deployed, stop_line = stop_row, ""
@@ -209,6 +211,12 @@ def evaluate(cfg: ClassifyConfig, run) -> dict:
     return result
 
 
+def _reads_no_exit(rule, T: int) -> bool:
+    """Whether a rule is never asked before the last exit (full depth, a never-stopping threshold): the loop then
+    reads no exit head, and an image costs the network's own FLOPs, not ``exit_costs[-1]`` (which counts every head)."""
+    return member(rule, "plan_step") is None and first_ask(rule) >= T
+
+
 @torch.no_grad()
 def predict(cfg: ClassifyConfig, run) -> dict:
     """An image file or folder in: class, exit step and FLOPs spent per image out (``predictions.json``)."""
@@ -224,11 +232,9 @@ def predict(cfg: ClassifyConfig, run) -> dict:
         for n in notes:
             run.log(f"note: {n}")
         arrays.append(arr)
-    from ...core.loop import run_with_early_exit
-
     sm, rule, desc = deployed_model(APP, cfg, run.run_dir, run.device)  # the network alone where the run deploys it
     r = run_with_early_exit(sm.model, imgs.prepare(torch.from_numpy(np.stack(arrays))).to(run.device), rule)
-    alone = isinstance(rule, FixedDepth) and rule.depth is None  # no exit head is read out: the network's FLOPs
+    alone = _reads_no_exit(rule, sm.num_steps)
     out = [{"file": str(f), "class": imgs.classes[int(c)], "exit": int(t),
             "flops": int(sm.model.network_flops if alone else sm.model.exit_costs[int(t) - 1])}
            for f, c, t in zip(files, r.outputs.argmax(1).tolist(), r.stop_times.tolist())]
