@@ -95,6 +95,9 @@ def rule_spec(rule: Any, source: str = "") -> dict:
                           f"calibrate or set --inference.rule to one of them before exporting")
     if threshold is not None:
         threshold = float(threshold)
+        if threshold == -math.inf:  # the torch rule stops every sample at its first ask; JSON cannot hold -inf
+            raise ExportError(f"rule {name!r}: threshold -inf (param {param!r}) stops every sample at the rule's first "
+                              f"step; export that fixed depth instead ({{'name': 'fixed', 'param': <step>}})")
     return {"name": name, "param": param if name == "fixed" else (None if param is None or not math.isfinite(param) else float(param)),
             "threshold": None if threshold is None or not math.isfinite(threshold) else threshold,
             "never_stops_early": threshold is not None and not math.isfinite(threshold), "source": source}

@@ -1,5 +1,6 @@
 """Export to ONNX and the torch-free runtime: the same stop times and outputs as StoppingModel, refusals."""
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -341,6 +342,8 @@ def test_export_refuses_what_it_cannot_write(sparse_sm, exported, tmp_path):
         export_stop_model(sm, {"name": "price", "param": 1.0}, y[:2], tmp_path / "price")
     with pytest.raises(ExportError, match="inference.sampled"):
         export_stop_model(sm, InferenceConfig(sampled=True), y[:2], tmp_path / "sampled")
+    with pytest.raises(ExportError, match="threshold -inf"):  # stops everything at once: no 'never stops early'
+        export_stop_model(sm, {"name": "threshold", "param": 0.0, "threshold": -math.inf}, y[:2], tmp_path / "ninf")
     wrong = StoppingModel(sm.model, TinyPlanner(27, 8, plan_step=3)).eval()  # a plan of 7 logits for T = 7
     with pytest.raises(ExportError, match=r"planning policy at step 3: must return \(B, 6\) stop logits; got shape \(2, 7\)"):
         export_stop_model(wrong, {"name": "price", "param": 1.0}, y[:2], tmp_path / "wrong")
