@@ -1,5 +1,7 @@
 """attach_exits: exits on any network equal a hand-built step-wise model, FLOPs add up, early exit skips
 rows and picks the same outputs, the core trains it, and bad input is named."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -89,6 +91,34 @@ def test_blocks_give_the_same_model_as_names():
     for u, v in zip(a.step_outputs, b.step_outputs):
         torch.testing.assert_close(u, v)
     assert by_blocks.flops == by_names.flops
+
+
+class Scaled(nn.Module):
+    """A parameter read in forward (an fx get_attr) and a second input with a default."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.gain = nn.Parameter(torch.tensor(1.5))
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x, shift=0.25):
+        h = torch.relu(self.stem(x)) * self.gain + shift
+        return self.fc(h.mean((2, 3)))
+
+
+def test_segments_read_the_weights_of_the_network_they_run_and_copies_keep_their_own():
+    torch.manual_seed(0)
+    model = attach_exits(Scaled(), after=["stem"], example_input=EXAMPLE).eval()
+    copy_ = copy.deepcopy(model)
+    with torch.no_grad():
+        copy_.backbone.gain.fill_(-2.0)
+        copy_.backbone.stem.weight.mul_(3.0)
+    x = torch.randn(4, 3, 9, 9)
+    with torch.no_grad():
+        for m in (model, copy_):
+            torch.testing.assert_close(unroll(m, x, keep_outputs=True).step_outputs[-1], m(x))
+        assert not torch.allclose(copy_(x), model(x))
 
 
 def test_flops_per_exit_add_up_to_the_network():
