@@ -133,6 +133,8 @@ def test_flops_per_exit_add_up_to_the_network():
     assert f.heads == (2 * 80 * 7, 2 * 54 * 7, 0)
     assert model.exit_costs == [f.backbone[0] + f.heads[0], sum(f.backbone[:2]) + sum(f.heads[:2]),
                                 model.network_flops + sum(f.heads)]
+    # a fixed depth reads its own exit alone; at T it is the network
+    assert model.fixed_exit_costs == [f.backbone[0] + f.heads[0], sum(f.backbone[:2]) + f.heads[1], model.network_flops]
 
 
 def test_early_exit_computes_fewer_rows_and_picks_the_same_outputs():
@@ -246,3 +248,26 @@ def test_grad_steps_skip_the_exits_backward_and_keep_the_networks_gradient():
             assert grads[1][n] is None and (g is None or not g.any())
         else:
             torch.testing.assert_close(grads[1][n], g)
+
+
+def test_a_fixed_depth_is_costed_without_the_exits_it_does_not_read():
+    from learn2stop.core import ConfidenceSignal, FixedDepth, SignalRule
+    from learn2stop.core.evaluation import Metric, collect_trace, evaluate_rule, fixed_depth_curve
+
+    model = attach_exits(small(), after=["block1", "down"], example_input=EXAMPLE).eval()
+    batches = [(torch.randn(6, 3, 9, 9), torch.randint(0, 7, (6,)))]
+    acc = Metric("accuracy", lambda o, y: (o.argmax(1) == y).float(), lower_is_better=False)
+    full = model.exit_costs[-1]
+    trace = collect_trace(model, batches, acc)
+    costs = [p["mean_cost"] for p in fixed_depth_curve(trace, acc)]
+    assert costs == pytest.approx([c / full for c in model.fixed_exit_costs])
+    assert costs[-1] == pytest.approx(model.network_flops / full) and costs[-1] < 1
+    for d in (1, 2, 3):
+        got = evaluate_rule(model, batches, lambda: FixedDepth(d), acc)
+        assert got["mean_cost"] == pytest.approx(model.fixed_exit_costs[d - 1] / full)
+    # a rule asked at every exit reads every head up to its stop: the full exit costs
+    asked = evaluate_rule(model, batches, lambda: SignalRule(ConfidenceSignal(), 2.0), acc)  # never confident enough
+    assert (asked["stop_times"] == 3).all() and asked["mean_cost"] == pytest.approx(1.0)
+    # a model that declares no fixed costs: a fixed depth costs its exit costs
+    model.fixed_exit_costs = None
+    assert torch.equal(collect_trace(model, batches, acc).fixed_depth_costs, trace.costs)

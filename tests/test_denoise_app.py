@@ -104,7 +104,9 @@ def test_frontier_and_calibrate_through_the_cli(trained, tmp_path, capsys):
     assert fr["metric"] == "PSNR (dB)" and fr["lower_is_better"] is False and fr["num_steps"] == 4
     assert {"fixed_depth", "baseline_fixed_depth", "tolerance", "policy", "oracle"} <= set(fr["curves"])
     assert fr["full_depth"]["samples_per_s_batch1"] > 0 and fr["full_depth"]["samples_per_s_batchN"] > 0
-    assert fr["full_depth"]["mean_macs_per_pixel"] == pytest.approx(load_stage(APP, cfg, run_dir, "stage2").model.exit_costs[-1])
+    stop_model = load_stage(APP, cfg, run_dir, "stage2").model  # full depth reads the last output alone: no head, no policy
+    assert fr["full_depth"]["mean_macs_per_pixel"] == pytest.approx(stop_model.fixed_exit_costs[-1])
+    assert stop_model.fixed_exit_costs[-1] < stop_model.exit_costs[-1]
     assert [p["depth"] for p in fr["curves"]["baseline_fixed_depth"]] == [1, 2, 3, 4]
     assert (run_dir / "frontier.md").is_file() and (run_dir / "frontier.png").stat().st_size > 1000
     capsys.readouterr()

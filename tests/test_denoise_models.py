@@ -130,6 +130,14 @@ def test_exit_costs_are_the_macs_actually_computed(head_kernel):
     # full depth with every exit computed costs little more than plain DnCNN
     plain = DeepSupervisedDnCNN(depth=7, channels=8, output_positions=())
     assert costs[-1] < 1.1 * plain.exit_costs[-1]
+    # a fixed depth computes its own output alone: no earlier head, no policy
+    fixed = torch.tensor(net.fixed_exit_costs, dtype=torch.float64)
+    for d in range(1, net.num_steps + 1):
+        counter.total = 0
+        with torch.no_grad():
+            run_with_early_exit(net, x, FixedDepth(d))
+        assert counter.total == pytest.approx(float(fixed[d - 1]) * 5 * 9 * 11, rel=1e-9)
+    assert fixed[-1] == pytest.approx(plain.exit_costs[-1]) and bool((fixed < costs).all())
 
 
 def test_policy_early_exit_equals_full_depth_at_the_policy_stop():

@@ -251,6 +251,25 @@ def exit_costs(model, device=None) -> Tensor:
     return (costs / costs[-1]).to(device)
 
 
+def fixed_depth_costs(model, device=None) -> Tensor:
+    """Normalised cost of stopping at t = 1..T when the model is read out at t alone (a fixed depth, a rule never
+    asked early); shape (T,), on the scale of :func:`exit_costs` (divided by the raw ``exit_costs[-1]``, so the
+    network alone at T is below 1 when the full ``exit_costs`` count every exit head). A model without
+    ``fixed_exit_costs`` gives :func:`exit_costs`."""
+    raw = getattr(model, "fixed_exit_costs", None)
+    full = exit_costs(model)
+    if raw is None:
+        return full.to(device)
+    costs = torch.as_tensor(raw, dtype=torch.float32).flatten().cpu()
+    if costs.numel() != model.num_steps:
+        raise ValueError(f"{type(model).__name__}.fixed_exit_costs has {costs.numel()} entries; the model has "
+                         f"{model.num_steps} steps")
+    if not torch.isfinite(costs).all() or (costs <= 0).any():
+        raise ValueError(f"{type(model).__name__}.fixed_exit_costs must be positive; got {costs.tolist()}")
+    last = float(torch.as_tensor(model.exit_costs, dtype=torch.float32).flatten()[-1])
+    return (costs / last).to(device)
+
+
 def log_cost_prior(costs: Tensor, price: float, beta: float) -> Tensor:
     """The price on computation as a depth prior: log p(t) = log_softmax(-price * c_t / beta); shape (T,).
 

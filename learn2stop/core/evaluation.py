@@ -21,10 +21,10 @@ import torch
 from torch import Tensor
 
 from .calibration import calibrate_budget
-from .distributions import exit_costs
+from .distributions import exit_costs, fixed_depth_costs
 from .loop import _first, _step, run_with_early_exit, unroll
 from .trees import tree_leaves, tree_map
-from .rules import StopSignal, first_crossing, signal_trace
+from .rules import StopSignal, first_crossing, reads_at_stop_alone, signal_trace
 
 
 @dataclass
@@ -67,10 +67,16 @@ class Trace:
     signals: dict[str, Tensor] = field(default_factory=dict)  # name -> (N, T-1) scores
     losses: Tensor | None = None  # (N, T) training losses, if a loss_fn was given
     extras: dict[str, Tensor] = field(default_factory=dict)  # per-sample (N,) side data, e.g. SNR, shots
+    fixed_costs: Tensor | None = None  # (T,) cost of stopping at t read out there alone (a fixed depth); None: costs
 
     @property
     def num_steps(self) -> int:
         return self.metric.shape[1]
+
+    @property
+    def fixed_depth_costs(self) -> Tensor:
+        """(T,) what a fixed depth t costs, on the scale of ``costs`` (no earlier exit read)."""
+        return self.costs if self.fixed_costs is None else self.fixed_costs
 
     def at(self, stop_times: Tensor) -> Tensor:
         """Per-sample metric values at the given 1-based stop times; (N,)."""
@@ -107,7 +113,7 @@ def collect_trace(model: Any, batches: Iterable[tuple[Any, Any]], metric: Metric
             sig_rows[k].append(signal_trace(sig, r.step_outputs, inputs).cpu())
         if extras is not None:
             extra_rows.append({k: v.cpu() for k, v in extras(inputs, target).items()})
-    return Trace(metric=torch.cat(metric_rows), costs=exit_costs(model),
+    return Trace(metric=torch.cat(metric_rows), costs=exit_costs(model), fixed_costs=fixed_depth_costs(model),
                  signals={k: torch.cat(v) for k, v in sig_rows.items()},
                  losses=torch.cat(loss_rows) if loss_rows else None,
                  extras={k: torch.cat([e[k] for e in extra_rows]) for k in extra_rows[0]} if extra_rows else {})
@@ -134,7 +140,7 @@ def evaluate_rule(model: Any, batches: Iterable[tuple[Any, Any]], rule_factory: 
             extra_rows.append({k: v.cpu() for k, v in extras(inputs, target).items()})
     stop_times, vals = torch.cat(times), torch.cat(values)
     ex = {k: torch.cat([e[k] for e in extra_rows]) for k in extra_rows[0]} if extra_rows else {}
-    costs = exit_costs(model)
+    costs = fixed_depth_costs(model) if reads_at_stop_alone(rule, model.num_steps) else exit_costs(model)
     return {"stop_times": stop_times, "values": vals, "metric": metric(vals, ex), "extras": ex,
             "mean_steps": float(stop_times.float().mean()), "mean_cost": float(costs[stop_times - 1].mean()),
             "steps_computed": int(stop_times.sum())}
@@ -147,14 +153,17 @@ def oracle_stop_times(trace: Trace, metric: Metric, price: float) -> Tensor:
     return (sign * trace.metric + price * trace.costs[None]).argmin(dim=1) + 1
 
 
-def _point(trace: Trace, metric: Metric, stops: Tensor, **extra) -> dict:
-    return {"mean_steps": float(stops.float().mean()), "mean_cost": float(trace.costs[stops - 1].mean()),
+def _point(trace: Trace, metric: Metric, stops: Tensor, costs: Tensor | None = None, **extra) -> dict:
+    costs = trace.costs if costs is None else costs
+    return {"mean_steps": float(stops.float().mean()), "mean_cost": float(costs[stops - 1].mean()),
             "metric": metric(trace.at(stops), trace.extras), **extra}
 
 
 def fixed_depth_curve(trace: Trace, metric: Metric) -> list[dict]:
+    """Every fixed depth d = 1..T, at what it costs read out at d alone (``Trace.fixed_depth_costs``)."""
     N = trace.metric.shape[0]
-    return [_point(trace, metric, torch.full((N,), d, dtype=torch.long), depth=d) for d in range(1, trace.num_steps + 1)]
+    return [_point(trace, metric, torch.full((N,), d, dtype=torch.long), trace.fixed_depth_costs, depth=d)
+            for d in range(1, trace.num_steps + 1)]
 
 
 def sweep_curve(trace: Trace, metric: Metric, scores: Tensor, signal: StopSignal, points: int = 12) -> list[dict]:

@@ -96,6 +96,16 @@ class FlopTable:
             out.append(run)
         return out
 
+    @property
+    def fixed(self) -> list[int]:
+        """Cost of stopping at t when no rule reads the earlier exits (a fixed depth): segments 1..t and
+        head t alone (at T the network alone)."""
+        out, run = [], 0
+        for b, h in zip(self.backbone, self.heads):
+            run += b
+            out.append(run + h)
+        return out
+
 
 def count_flops(fn: Callable[[], Any]) -> tuple[Any, int]:
     """(fn(), the FLOPs it ran) under torch's FlopCounterMode (a multiply-add counts 2)."""
@@ -247,6 +257,7 @@ class ExitNetwork(nn.Module):
         after: the exit points, in forward order.
         flops: :class:`FlopTable`, per-sample FLOPs of every segment and head.
         exit_costs: cumulative FLOPs of exiting at t = 1..T (the price's and the frontier's cost).
+        fixed_exit_costs: FLOPs of stopping at t with no rule reading the earlier exits (a fixed depth).
         network_flops: FLOPs of the network alone (= the sum of the segments').
         rows_computed: samples times segments computed since the last reset (early exit skips rows).
     """
@@ -261,6 +272,7 @@ class ExitNetwork(nn.Module):
         self.rows_computed = 0
         self.flops = FlopTable((), ())
         self.exit_costs: list[int] = []
+        self.fixed_exit_costs: list[int] = []
         self.network_flops = 0
 
     # ------------------------------------------------------------------ step-wise protocol
@@ -391,6 +403,7 @@ def attach_exits(backbone: nn.Module | None = None, after: Sequence[str] | None 
     heads.train(backbone.training)
     model.flops = FlopTable(tuple(seg_flops), tuple(head_flops) + (0,))
     model.exit_costs = model.flops.exits
+    model.fixed_exit_costs = model.flops.fixed
     model.network_flops = network_flops
     return model
 

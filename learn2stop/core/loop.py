@@ -53,6 +53,8 @@ def first_ask(rule: Any) -> int:
 #: The optional members of a step-wise model, a policy and a stop rule, and what their absence means:
 #:
 #: - ``exit_costs`` (model): cumulative cost of stopping at t = 1..T (FLOPs, MACs); absent: t;
+#: - ``fixed_exit_costs`` (model): the cost of stopping at t when the model is read out at t alone (a fixed depth:
+#:   no earlier exit head evaluated), in the units of ``exit_costs``; absent: ``exit_costs``;
 #: - ``min_step`` (policy): the first step it is asked at (pi_t = 0 before); absent: 1;
 #: - ``plan_step`` (policy or rule): it plans every step's stop at once, at this step; absent: per step;
 #: - ``plan_log_q`` (planning policy): ``plan_log_q(inputs, output, t) -> (B, T)`` log q_phi, what its stop
@@ -68,7 +70,7 @@ def first_ask(rule: Any) -> int:
 #: - ``first_step`` (rule): the first step the loop asks it at (2 for a tolerance test); absent: 1;
 #: - ``reads_previous`` (per-step rule): whether it reads ``previous_output`` at its first step, so that the
 #:   loop reads the model out the step before; absent: True (a fixed depth: False).
-OPTIONAL_MEMBERS: dict[str, Any] = {"exit_costs": None, "min_step": 1, "plan_step": None, "plan_log_q": None,
+OPTIONAL_MEMBERS: dict[str, Any] = {"exit_costs": None, "fixed_exit_costs": None, "min_step": 1, "plan_step": None, "plan_log_q": None,
                                     "replan_step": None, "priced_plan": None, "priced_replan": None, "first_step": 1,
                                     "reads_previous": True}
 

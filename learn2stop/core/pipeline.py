@@ -504,7 +504,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
         curves["policy_swept"] = sweep_curve(test, metric, test.signals[main], make_signal(main, sm.policy))
         how["policy_swept"] = how["policy"]  # the same rule at other thresholds
     curves["oracle"] = oracle_curve(test, metric)
-    full = _point(test, metric, torch.full((N,), T, dtype=torch.long))
+    full = _point(test, metric, torch.full((N,), T, dtype=torch.long), test.fixed_depth_costs)
     run.log(f"frontier: traces of {N} test samples in {time.perf_counter() - t0:.1f}s; measuring speeds")
     overhead, bn = None, min(app.speed_batch, N)
     if speed:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .loop import StepView, _policy_logits, member, planned_log_q, planned_logits, replan_log_q, replan_scores_late
+from .loop import StepView, _policy_logits, first_ask, member, planned_log_q, planned_logits, replan_log_q, replan_scores_late
 from .trees import tree_leaves
 
 
@@ -388,6 +388,15 @@ class FixedDepth:
     def __call__(self, view: StepView) -> Tensor:
         stop = self.depth is not None and view.t >= self.depth
         return torch.full((view.index.numel(),), stop, dtype=torch.bool, device=view.index.device)
+
+
+def reads_at_stop_alone(rule: Any, num_steps: int) -> bool:
+    """Whether the loop reads the model out at a rule's stop step alone: a :class:`FixedDepth`, or a rule never asked
+    before the last step (a never-stopping threshold). Such a stop costs the model's ``fixed_exit_costs``, not its
+    ``exit_costs`` (which count every exit up to t)."""
+    if isinstance(rule, FixedDepth):
+        return True
+    return member(rule, "plan_step") is None and first_ask(rule) >= num_steps
 
 
 class StopAtTimes:

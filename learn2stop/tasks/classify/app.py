@@ -18,14 +18,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ...core import Metric, StageConfig, StoppingModel, derive_seed
 from ...core.evaluation import collect_trace, evaluate_rule
-from ...core.loop import first_ask, member, run_with_early_exit
+from ...core.loop import run_with_early_exit
 from ...core.pipeline import (Stage, StoppingApp, check_config, deployed_model, deployed_rule, load_stage,
                               served_baseline, stop_model_trace)
-from ...core.rules import SIGNALS, ConfidenceSignal, EntropySignal, PatienceSignal, first_crossing
+from ...core.rules import SIGNALS, ConfidenceSignal, EntropySignal, PatienceSignal, first_crossing, reads_at_stop_alone
 from ...core.calibration import calibrate_budget
 from ...utils.config import ConfigError
 from ...utils.report import markdown_table, write_json
@@ -184,8 +184,7 @@ def evaluate(cfg: ClassifyConfig, run) -> dict:
     sm_rule, desc = deployed_rule(APP, cfg, run.run_dir, sm)
     r = evaluate_rule(sm.model, test, lambda: sm_rule, metric, dev, runner=run.runner)
     stop_row = {"rule": desc, "accuracy": r["metric"], "mean_steps": r["mean_steps"],
-                "flops_fraction": sm.model.network_flops / full_flops if _reads_no_exit(sm_rule, sm.num_steps)
-                else float(flops[r["stop_times"] - 1].mean() / full_flops)}
+                "flops_fraction": float(_flops_at(sm.model, sm_rule, r["stop_times"]).mean() / full_flops)}
     reason = served_baseline(APP, cfg, run.run_dir)
     if reason is None:
         deployed, stop_line = stop_row, ""
@@ -211,10 +210,12 @@ def evaluate(cfg: ClassifyConfig, run) -> dict:
     return result
 
 
-def _reads_no_exit(rule, T: int) -> bool:
-    """Whether a rule is never asked before the last exit (full depth, a never-stopping threshold): the loop then
-    reads no exit head, and an image costs the network's own FLOPs, not ``exit_costs[-1]`` (which counts every head)."""
-    return member(rule, "plan_step") is None and first_ask(rule) >= T
+def _flops_at(model, rule, stop_times: Tensor) -> Tensor:
+    """(N,) FLOPs of each image's stop under ``rule``: ``exit_costs`` (every exit head up to its stop), or the
+    network's segments and the stop's head alone where the rule reads no earlier exit (a fixed depth, full depth,
+    a never-stopping threshold: the network's own FLOPs at T)."""
+    costs = model.fixed_exit_costs if reads_at_stop_alone(rule, model.num_steps) else model.exit_costs
+    return torch.tensor(costs, dtype=torch.float64)[stop_times.long().cpu() - 1]
 
 
 @torch.no_grad()
@@ -234,10 +235,9 @@ def predict(cfg: ClassifyConfig, run) -> dict:
         arrays.append(arr)
     sm, rule, desc = deployed_model(APP, cfg, run.run_dir, run.device)  # the network alone where the run deploys it
     r = run_with_early_exit(sm.model, imgs.prepare(torch.from_numpy(np.stack(arrays))).to(run.device), rule)
-    alone = _reads_no_exit(rule, sm.num_steps)
-    out = [{"file": str(f), "class": imgs.classes[int(c)], "exit": int(t),
-            "flops": int(sm.model.network_flops if alone else sm.model.exit_costs[int(t) - 1])}
-           for f, c, t in zip(files, r.outputs.argmax(1).tolist(), r.stop_times.tolist())]
+    flops = _flops_at(sm.model, rule, r.stop_times).tolist()
+    out = [{"file": str(f), "class": imgs.classes[int(c)], "exit": int(t), "flops": int(fl)}
+           for f, c, t, fl in zip(files, r.outputs.argmax(1).tolist(), r.stop_times.tolist(), flops)]
     path = Path(cfg.predict.output) if cfg.predict.output else run.run_dir / "predictions.json"
     if run.ctx.is_main:
         write_json({"rule": desc, "predictions": out}, path)

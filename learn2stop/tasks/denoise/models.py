@@ -131,6 +131,16 @@ class DeepSupervisedDnCNN(nn.Module):
             out.append(float(blocks[self._ends[t - 1] - 1]) + heads + policy)
         return out
 
+    @property
+    def fixed_exit_costs(self) -> list[float]:
+        """Multiply-accumulates per pixel of output t read alone (a fixed depth): blocks 1..blocks_at(t) and
+        head t (the final conv at T), no earlier head and no policy; shape (T,)."""
+        blocks = torch.tensor(self.block_macs(), dtype=torch.float64).cumsum(0)
+        head = float(self.head_kernel ** 2 * self.channels * self.image_channels)
+        final = 9.0 * self.channels * self.image_channels
+        return [float(blocks[self._ends[t - 1] - 1]) + (final if t == self.num_steps else head)
+                for t in range(1, self.num_steps + 1)]
+
     # ------------------------------------------------------------------ step-wise protocol
     def initial_state(self, inputs: Tensor) -> Tensor:
         if inputs.dim() != 4:
