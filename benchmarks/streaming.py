@@ -10,6 +10,7 @@ three servers of the same stop model, one after another in one process:
 
     python benchmarks/streaming.py --threads 1                      # random weights, the quick sizes
     python benchmarks/streaming.py --sparse-run runs/sparse-quick --classify-run runs/classify-quick
+    python benchmarks/streaming.py --tasks maml --maml-run runs/maml-quick --max-batch 100   # tasks (dict inputs)
     python benchmarks/streaming.py --tiny                           # a smoke run (the tests use it)
 
 Requests arrive at fixed intervals (``--loads``: fractions of the full-depth server's own throughput at
@@ -29,15 +30,19 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_speed import task_model, torch_rule  # noqa: E402
+from runtime_speed import _rows, task_model, torch_rule  # noqa: E402
 
 from learn2stop.core.loop import run_with_early_exit  # noqa: E402
 from learn2stop.core.rules import FixedDepth  # noqa: E402
 from learn2stop.core.streaming import StreamingRunner  # noqa: E402
+from learn2stop.core.trees import batch_size, tree_map  # noqa: E402
 from learn2stop.utils.report import markdown_table  # noqa: E402
 
 
-def batched_server(model, inputs: torch.Tensor, arrivals: np.ndarray, max_batch: int, make_rule) -> dict:
+TASKS = ("sparse", "classify", "maml", "denoise")
+
+
+def batched_server(model, inputs, arrivals: np.ndarray, max_batch: int, make_rule) -> dict:
     """Take every arrived request (up to max_batch) whenever free; run the batch with the rule to the end."""
     n, done, start = len(arrivals), 0, time.perf_counter()
     latency, depth = np.zeros(n), np.zeros(n)
@@ -47,21 +52,21 @@ def batched_server(model, inputs: torch.Tensor, arrivals: np.ndarray, max_batch:
             time.sleep(arrivals[done] - now)
             continue
         k = min(int(np.searchsorted(arrivals, now, side="right")) - done, max_batch)
-        r = run_with_early_exit(model, inputs[done:done + k], make_rule())
+        r = run_with_early_exit(model, _rows(inputs, done, done + k), make_rule())
         latency[done:done + k] = time.perf_counter() - start - arrivals[done:done + k]
         depth[done:done + k] = r.stop_times.numpy()
         done += k
     return _summary(latency, depth, time.perf_counter() - start)
 
 
-def streaming_server(model, inputs: torch.Tensor, arrivals: np.ndarray, max_batch: int, make_rule) -> dict:
+def streaming_server(model, inputs, arrivals: np.ndarray, max_batch: int, make_rule) -> dict:
     n, submitted, start = len(arrivals), 0, time.perf_counter()
     runner = StreamingRunner(model, make_rule(), max_batch=max_batch, capacity=max(4 * max_batch, 64) + n)
     ids = []
     while len(runner.finished) < n:
         now = time.perf_counter() - start
         while submitted < n and arrivals[submitted] <= now:
-            ids.append(runner.submit(inputs[submitted:submitted + 1], arrived=start + arrivals[submitted]))
+            ids.append(runner.submit(_rows(inputs, submitted, submitted + 1), arrived=start + arrivals[submitted]))
             submitted += 1
         if not runner.tick() and not runner.in_flight and submitted < n:
             time.sleep(max(arrivals[submitted] - (time.perf_counter() - start), 0))
@@ -76,19 +81,22 @@ def _summary(latency: np.ndarray, depth: np.ndarray, seconds: float) -> dict:
 
 
 @torch.no_grad()
-def measure(sm, rule, inputs: torch.Tensor, max_batch: int, loads: list[float], n: int) -> list[dict]:
+def measure(sm, rule, inputs, max_batch: int, loads: list[float], n: int) -> list[dict]:
     m = sm.model
     full = lambda: FixedDepth()  # noqa: E731
     early = lambda: torch_rule(sm, rule)  # noqa: E731
     # the full-depth server's own throughput: everything arrived at once
-    capacity = batched_server(m, inputs[:n], np.zeros(n), max_batch, full)["throughput"]
+    inputs = _rows(inputs, 0, n)
+    for make in (full, early):  # warm-up: first calls (MAML's torch.func transforms, allocations) are slow
+        batched_server(m, _rows(inputs, 0, min(n, 2 * max_batch)), np.zeros(min(n, 2 * max_batch)), max_batch, make)
+    capacity = batched_server(m, inputs, np.zeros(n), max_batch, full)["throughput"]
     rows = []
     for load in loads:
         arrivals = np.arange(n) / (load * capacity)
         for name, server, make in (("full depth, batched", batched_server, full),
                                    ("early exit, batch then shrink", batched_server, early),
                                    ("early exit, streaming", streaming_server, early)):
-            r = server(m, inputs[:n], arrivals, max_batch, make)
+            r = server(m, inputs, arrivals, max_batch, make)
             rows.append({"load": load, "arrival_per_s": load * capacity, "server": name, **r})
     return rows
 
@@ -99,6 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tasks", default="sparse,classify")
     ap.add_argument("--sparse-run", default=None, help="a trained sparse run directory (else random weights)")
     ap.add_argument("--classify-run", default=None, help="a trained classify run directory (else random weights)")
+    ap.add_argument("--maml-run", default=None, help="a trained maml run directory (else random weights)")
+    ap.add_argument("--denoise-run", default=None, help="a trained denoise run directory (else random weights)")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--loads", default="0.5,0.9,1.2", help="arrival rates as fractions of the full-depth capacity")
     ap.add_argument("--requests", type=int, default=2000)
@@ -117,14 +127,15 @@ def main(argv: list[str] | None = None) -> dict:
     n = 24 if args.tiny else args.requests
     results = {}
     for task in [t for t in args.tasks.split(",") if t]:
-        if task not in ("sparse", "classify"):
-            ap.error(f"--tasks: unknown task {task!r}; choose from sparse, classify")
+        if task not in TASKS:
+            ap.error(f"--tasks: unknown task {task!r}; choose from {', '.join(TASKS)}")
         sm, rule, inputs, source = task_model(task, getattr(args, f"{task}_run"), args.tiny, n)
-        if inputs.shape[0] < n:
-            inputs = inputs.repeat(n // inputs.shape[0] + 1, *([1] * (inputs.dim() - 1)))[:n]
-        rows = measure(sm, rule, inputs, 4 if args.tiny else args.max_batch, loads, n)
+        if batch_size(inputs) < n:  # the test inputs again, as often as it takes
+            inputs = tree_map(lambda v, k=n // batch_size(inputs) + 1: v.repeat(k, *([1] * (v.dim() - 1))), inputs)
+        max_batch = 4 if args.tiny else args.max_batch
+        rows = measure(sm, rule, inputs, max_batch, loads, n)
         results[task] = {"source": source, "rows": rows}
-        print(f"\n## {task} ({source}; {n} requests; max batch {args.max_batch}; {args.threads} thread(s))\n")
+        print(f"\n## {task} ({source}; {n} requests; max batch {max_batch}; {args.threads} thread(s))\n")
         print(markdown_table(["load", "arrivals / s", "server", "served / s", "p50 ms", "p95 ms", "mean depth"],
                              [[r["load"], r["arrival_per_s"], r["server"], r["throughput"], r["p50_ms"], r["p95_ms"],
                                r["mean_depth"]] for r in rows], digits=3))

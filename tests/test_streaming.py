@@ -88,11 +88,12 @@ def test_streaming_benchmark_runs_on_a_tiny_config(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_streaming_tiny", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    res = bench.main(["--tiny", "--tasks", "sparse", "--loads", "0.8", "--json", str(tmp_path / "s.json")])
-    rows = res["sparse"]["rows"]
-    assert [r["server"] for r in rows] == ["full depth, batched", "early exit, batch then shrink", "early exit, streaming"]
-    assert rows[0]["mean_depth"] == 5 and all(r["throughput"] > 0 and r["p95_ms"] >= r["p50_ms"] for r in rows)
-    assert rows[1]["mean_depth"] == rows[2]["mean_depth"]  # the same rule, the same stops
+    res = bench.main(["--tiny", "--tasks", "sparse,maml", "--loads", "0.8", "--json", str(tmp_path / "s.json")])
+    for task, T in (("sparse", 5), ("maml", 3)):  # a tensor per request, and a tree (a task's support and query sets)
+        rows = res[task]["rows"]
+        assert [r["server"] for r in rows] == ["full depth, batched", "early exit, batch then shrink", "early exit, streaming"]
+        assert rows[0]["mean_depth"] == T and all(r["throughput"] > 0 and r["p95_ms"] >= r["p50_ms"] for r in rows)
+        assert rows[1]["mean_depth"] == rows[2]["mean_depth"]  # the same rule, the same stops
     assert json.loads((tmp_path / "s.json").read_text())["sparse"]["rows"][0]["server"] == "full depth, batched"
 
 
