@@ -25,6 +25,8 @@ def _stream(model, rule, x, max_batch, pattern=(5, 3)):
                 i += 1
         for _ in range(pattern[1]):
             runner.tick()
+            # the requests per queue, kept as chunks come and go, are what the queues hold
+            assert runner._rows == [sum(len(c) for c in q) for q in runner.queues]
     runner.run_until_idle()
     assert runner.in_flight == 0 and len(runner.finished) == x.shape[0]
     return runner, ids

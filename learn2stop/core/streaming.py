@@ -110,6 +110,7 @@ class StreamingRunner:
         self.read_at = {self.plan_step, self.replan_step, None if self.replan_step is None else self.replan_step - 1,
                         self.T}
         self.queues: list[deque[_Chunk]] = [deque() for _ in range(self.T)]  # queues[t]: ran t steps
+        self._rows = [0] * self.T  # requests in each queue (kept as they come and go: a tick must not count them)
         self.finished: dict[int, Finished] = {}
         self._free = list(range(capacity - 1, -1, -1))
         self._next_id = 0
@@ -118,7 +119,11 @@ class StreamingRunner:
 
     @property
     def in_flight(self) -> int:
-        return sum(len(c) for q in self.queues for c in q)
+        return sum(self._rows)
+
+    def _push(self, t: int, c: _Chunk, front: bool = False) -> None:
+        (self.queues[t].appendleft if front else self.queues[t].append)(c)
+        self._rows[t] += len(c)
 
     def submit(self, inputs: Any, arrived: float | None = None) -> int:
         """Queue one request (batch-first inputs of one sample); its id. ``arrived``: its arrival time
@@ -130,8 +135,8 @@ class StreamingRunner:
         rid, self._next_id = self._next_id, self._next_id + 1
         slot = self._free.pop()
         device = tree_leaves(inputs)[0].device
-        self.queues[0].append(_Chunk([rid], torch.tensor([slot], device=device), inputs,
-                                     arrived=[time.perf_counter() if arrived is None else arrived]))
+        self._push(0, _Chunk([rid], torch.tensor([slot], device=device), inputs,
+                             arrived=[time.perf_counter() if arrived is None else arrived]))
         return rid
 
     def tick(self) -> int:
@@ -140,14 +145,15 @@ class StreamingRunner:
         waiting = [t for t in range(self.T) if self.queues[t]]
         if not waiting:
             return 0
-        full = [t for t in waiting if sum(len(c) for c in self.queues[t]) >= self.max_batch]
+        full = [t for t in waiting if self._rows[t] >= self.max_batch]
         # a full batch first (throughput); else the queue of the oldest request (its latency)
         t0 = min(full or waiting, key=lambda t: self.queues[t][0].arrived[0])
         q, picked, n = self.queues[t0], [], 0
         while q and n < self.max_batch:
             c = q.popleft()
+            self._rows[t0] -= len(c)
             if n + len(c) > self.max_batch:
-                q.appendleft(c.take(slice(self.max_batch - n, None)))
+                self._push(t0, c.take(slice(self.max_batch - n, None)), front=True)
                 c = c.take(slice(0, self.max_batch - n))
             picked.append(c)
             n += len(c)
@@ -184,7 +190,7 @@ class StreamingRunner:
         elif t >= self.first:
             stop = self.rule(StepView(t, T, c.inputs, c.output, previous, c.state, c.slots))
         else:
-            self.queues[t].append(c)
+            self._push(t, c)
             return 0
         n_stop = int(stop.sum())
         if n_stop == len(c):
@@ -192,7 +198,7 @@ class StreamingRunner:
         if n_stop:
             self._finish(c.take(stop.nonzero().squeeze(1)), t)
             c = c.take((~stop).nonzero().squeeze(1))
-        self.queues[t].append(c)
+        self._push(t, c)
         return n_stop
 
     def _finish(self, c: _Chunk, t: int) -> int:
