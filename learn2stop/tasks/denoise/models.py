@@ -111,6 +111,12 @@ class DeepSupervisedDnCNN(nn.Module):
         c, k = self.channels, self.image_channels
         return [9.0 * k * c] + [9.0 * c * c] * (self.depth - 2)
 
+    def _macs_to(self) -> tuple[list[float], float, float]:
+        """(the blocks' MACs per pixel up to output t = 1..T, an exit head's, the final conv's)."""
+        blocks = torch.tensor(self.block_macs(), dtype=torch.float64).cumsum(0)
+        to = [float(blocks[self._ends[t - 1] - 1]) for t in range(1, self.num_steps + 1)]
+        return to, float(self.head_kernel ** 2 * self.channels * self.image_channels), 9.0 * self.channels * self.image_channels
+
     @property
     def exit_costs(self) -> list[float]:
         """Cumulative multiply-accumulates per pixel of stopping at output t = 1..T, shape (T,).
@@ -120,26 +126,17 @@ class DeepSupervisedDnCNN(nn.Module):
         when the policy skips its first exits, ``min_step``: 0.2 % of a block per call). The core
         normalises by the last entry (see :func:`learn2stop.core.distributions.exit_costs`).
         """
-        blocks = torch.tensor(self.block_macs(), dtype=torch.float64).cumsum(0)
-        head = float(self.head_kernel ** 2 * self.channels * self.image_channels)
-        final = 9.0 * self.channels * self.image_channels
-        out = []
-        for t in range(1, self.num_steps + 1):
-            last = t == self.num_steps
-            heads = (t - 1) * head + (final if last else head)
-            policy = (t - 1 if last else t) * self.policy_macs
-            out.append(float(blocks[self._ends[t - 1] - 1]) + heads + policy)
-        return out
+        to, head, final = self._macs_to()
+        T = self.num_steps
+        return [to[t - 1] + (t - 1) * head + (final if t == T else head) + (t - 1 if t == T else t) * self.policy_macs
+                for t in range(1, T + 1)]
 
     @property
     def fixed_exit_costs(self) -> list[float]:
         """Multiply-accumulates per pixel of output t read alone (a fixed depth): blocks 1..blocks_at(t) and
         head t (the final conv at T), no earlier head and no policy; shape (T,)."""
-        blocks = torch.tensor(self.block_macs(), dtype=torch.float64).cumsum(0)
-        head = float(self.head_kernel ** 2 * self.channels * self.image_channels)
-        final = 9.0 * self.channels * self.image_channels
-        return [float(blocks[self._ends[t - 1] - 1]) + (final if t == self.num_steps else head)
-                for t in range(1, self.num_steps + 1)]
+        to, head, final = self._macs_to()
+        return [to[t - 1] + (final if t == self.num_steps else head) for t in range(1, self.num_steps + 1)]
 
     # ------------------------------------------------------------------ step-wise protocol
     def initial_state(self, inputs: Tensor) -> Tensor:
