@@ -7,6 +7,9 @@ A backend is a *runner* with the signature of :func:`~learn2stop.core.loop.run_w
 - ``torch``: the loop as it is (:func:`~learn2stop.core.loop.run_with_early_exit`).
 - ``compile``: the same loop over the model's ``step`` and ``readout`` compiled by ``torch.compile``
   (dynamic shapes, since the batch shrinks; compiled once per model, on the first call).
+- ``stream``: :class:`~learn2stop.core.streaming.StreamingRunner` over every input at once, with the batch size
+  as its largest batch: freed rows are refilled by waiting inputs at every step, not once per batch (``frontier``
+  then reads "samples/s at batch N" as the stream's throughput with at most N rows per step call).
 - ``onnxruntime``: the model and its policy exported per rule kind (:func:`~learn2stop.export.export_stop_model`,
   into a temporary folder, once per model and rule kind or fixed depth) and run by
   :class:`~learn2stop.runtime.StopRuntime`, whose stop times and outputs match the torch loop's. Thresholds
@@ -28,9 +31,9 @@ from .core.model import StoppingModel
 from .core.rules import FixedDepth, PolicyRule, SignalRule
 from .core.trees import tree_leaves
 
-BACKENDS = ("torch", "compile", "onnxruntime")
+BACKENDS = ("torch", "compile", "stream", "onnxruntime")
 Runner = Callable[[Any, Any, Any], Rollout]
-__all__ = ["BACKENDS", "BackendError", "CompiledRunner", "OnnxRunner", "make_runner", "parse_backends"]
+__all__ = ["BACKENDS", "BackendError", "CompiledRunner", "OnnxRunner", "StreamRunner", "make_runner", "parse_backends"]
 
 
 def parse_backends(value: str | None) -> list[str]:
@@ -49,6 +52,8 @@ def make_runner(name: str, threads: int = 1) -> Runner:
         return run_with_early_exit
     if name == "compile":
         return CompiledRunner()
+    if name == "stream":
+        return StreamRunner()
     if name == "onnxruntime":
         return OnnxRunner(threads)
     raise BackendError(f"backend: unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
@@ -84,6 +89,32 @@ class CompiledRunner:
                 raise
             raise BackendError(f"backend compile: torch.compile cannot compile {type(model).__name__}'s steps: "
                                f"{str(e).splitlines()[0]}") from None
+
+
+# ----------------------------------------------------------------------------- the stream
+class StreamRunner:
+    """Every input submitted at once to a :class:`~learn2stop.core.streaming.StreamingRunner` with ``max_batch``
+    rows per step call (default: all of them), run until idle; the result in input order, as a Rollout.
+
+    ``takes_all``: :func:`~learn2stop.core.evaluation.measure_speed` hands it all its inputs in one call with the
+    batch size as ``max_batch`` (a stream refills only from requests that wait), where the other runners get
+    one batch per call."""
+
+    takes_all = True
+
+    def __call__(self, model: Any, inputs: Any, rule: Any, max_batch: int | None = None, **kw) -> Rollout:
+        from .core.streaming import StreamingRunner
+        from .core.trees import batch_size, tree_cat, tree_map
+
+        if kw.get("record_probs") or kw.get("compact_every"):
+            raise BackendError("backend stream: record_probs and compact_every are options of the torch loop")
+        n = batch_size(inputs)
+        stream = StreamingRunner(model, rule, max_batch=max_batch or n, capacity=max(n, 1))
+        ids = [stream.submit(tree_map(lambda x, i=i: x[i:i + 1], inputs)) for i in range(n)]
+        stream.run_until_idle()
+        done = [stream.finished[i] for i in ids]
+        stop_times = torch.tensor([f.stop_time for f in done], device=tree_leaves(inputs)[0].device)
+        return Rollout(outputs=tree_cat([f.output for f in done]), stop_times=stop_times, num_steps=model.num_steps)
 
 
 # ----------------------------------------------------------------------------- ONNX Runtime

@@ -49,8 +49,9 @@ def build_parser(task_name: str) -> argparse.ArgumentParser:
     cal.add_argument("--rule", default=None, help="calibrate: which rule (default: inference.rule)")
     cal.add_argument("--no-speed", action="store_true", help="frontier: skip the wall-clock measurements")
     cal.add_argument("--backend", default=None,
-                     help="evaluate, frontier: where early exit runs: torch (default), compile (torch.compile) or "
-                          "onnxruntime (the exported graphs); frontier takes several, comma-separated, side by side")
+                     help="evaluate, frontier: where early exit runs: torch (default), compile (torch.compile), stream "
+                          "(the streaming runner: freed rows refilled at every step) or onnxruntime (the exported "
+                          "graphs); frontier takes several, comma-separated, side by side")
     parser.add_argument("--out", default=None, help="export: folder for the ONNX graphs and manifest (new, or an earlier export)")
     add_config_arguments(parser, spec.config_class)
     return parser

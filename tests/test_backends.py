@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from learn2stop.backends import BACKENDS, BackendError, CompiledRunner, make_runner, parse_backends
+from learn2stop.backends import BACKENDS, BackendError, CompiledRunner, StreamRunner, make_runner, parse_backends
 from learn2stop.core.loop import run_with_early_exit
 from learn2stop.core.rules import (FixedDepth, PolicyRule, PriceSignal, QuantileSignal, SignalRule, StopAtTimes,
                                    ToleranceRule)
@@ -29,7 +29,33 @@ def test_parse_backends_names_the_choices():
     for bad in ("tensorrt", "torch,torch", ","):
         with pytest.raises(BackendError, match="--backend"):
             parse_backends(bad)
-    assert make_runner("torch") is run_with_early_exit and set(BACKENDS) == {"torch", "compile", "onnxruntime"}
+    assert make_runner("torch") is run_with_early_exit and set(BACKENDS) == {"torch", "compile", "stream", "onnxruntime"}
+
+
+def test_stream_runner_gives_the_torch_loops_stop_times_and_outputs(lista, tiny_lista):
+    from learn2stop.core.evaluation import measure_speed
+
+    sm, y = lista
+    planner = tiny_lista[2]
+    for rule in [*_rules(sm), SignalRule(PriceSignal(planner), PriceSignal.from_param(0.5))]:
+        with torch.no_grad():
+            ref = run_with_early_exit(sm.model, y, rule)
+            for max_batch in (None, 3):  # one step call for every running row, or at most 3 (refilled)
+                got = make_runner("stream")(sm.model, y, rule, max_batch=max_batch)
+                assert torch.equal(got.stop_times, ref.stop_times), rule
+                torch.testing.assert_close(got.outputs, ref.outputs)
+    with pytest.raises(BackendError, match="compact_every"):
+        StreamRunner()(sm.model, y, FixedDepth(), compact_every=2)
+
+    calls = []
+
+    class Counting(StreamRunner):  # measure_speed hands a stream every input at once, the batch as its max batch
+        def __call__(self, model, inputs, rule, max_batch=None, **kw):
+            calls.append((inputs.shape[0], max_batch))
+            return super().__call__(model, inputs, rule, max_batch=max_batch, **kw)
+
+    assert measure_speed(sm.model, y, lambda: FixedDepth(), 4, repeats=2, runner=Counting()) > 0
+    assert calls == [(min(8, y.shape[0]), 4), (y.shape[0], 4), (y.shape[0], 4)]  # a short warm-up, then every input
 
 
 def test_onnxruntime_runner_gives_the_torch_loops_stop_times_and_outputs(lista):
@@ -105,14 +131,15 @@ def test_frontier_measures_every_backend_side_by_side_and_evaluate_runs_on_one(t
         assert onnx["rows"][label] == pytest.approx(value, abs=1e-3), label
     assert onnx["depth"] == eager["depth"]  # the same stop times
 
-    assert main(["sparse", "frontier", "--run-dir", str(run), "--no-progress", "--backend", "torch,onnxruntime",
+    assert main(["sparse", "frontier", "--run-dir", str(run), "--no-progress", "--backend", "torch,stream,onnxruntime",
                  *tiny]) == 0
     fr = json.loads((run / "frontier.json").read_text())
-    assert fr["backends"] == ["torch", "onnxruntime"] and fr["backend"] == "torch"
+    assert fr["backends"] == ["torch", "stream", "onnxruntime"] and fr["backend"] == "torch"
     for name in ("fixed_depth", "tolerance", "policy"):
         for p in fr["curves"][name]:
-            assert p["speeds"]["onnxruntime"]["samples_per_s_batch1"] > 0
+            assert p["speeds"]["onnxruntime"]["samples_per_s_batch1"] > 0 and p["speeds"]["stream"]["samples_per_s_batchN"] > 0
             assert p["samples_per_s_batch1"] == p["speeds"]["torch"]["samples_per_s_batch1"]
     assert set(fr["speed_at_quality_by_backend"]["onnxruntime"]) >= {"fixed_depth", "policy"}
+    assert set(fr["speed_at_quality_by_backend"]["stream"]) >= {"fixed_depth", "policy"}
     md = (run / "frontier.md").read_text()
     assert "backend onnxruntime (speed-ups against baseline at full depth in torch)" in md

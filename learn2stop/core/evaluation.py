@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -232,12 +233,21 @@ def measure_speed(model: Any, inputs: Any, rule_factory: Callable[[], Any], batc
     or exports, for such a ``runner``; ``warmup=False`` skips it when the caller has already run this
     model, rule and backend on these inputs), ``repeats`` times, and keeps the fastest pass (the least disturbed
     by other work on the machine). A pass stops early after ``max_seconds``. On CUDA the clock waits for
-    the device. Runs under ``torch.inference_mode``.
+    the device. Runs under ``torch.inference_mode``. A runner that ``takes_all`` (the stream) gets every input
+    in one call with ``max_batch=batch_size``: its throughput with at most that many rows per step call.
     """
     leaves = tree_leaves(inputs)
     n = leaves[0].shape[0]
     cuda = leaves[0].is_cuda
-    chunks = [tree_map(lambda x: x[i:i + batch_size], inputs) for i in range(0, n, batch_size)]
+    if getattr(runner, "takes_all", False):
+        runner = functools.partial(runner, max_batch=batch_size)
+        chunks = [inputs]
+        if warmup:  # a short stream first (its first calls allocate, and MAML's torch.func transforms warm up)
+            with torch.inference_mode():
+                runner(model, tree_map(lambda x: x[:2 * batch_size], inputs), rule_factory())
+            warmup = False
+    else:
+        chunks = [tree_map(lambda x: x[i:i + batch_size], inputs) for i in range(0, n, batch_size)]
     best = 0.0
     with torch.inference_mode():  # as a deployment runs: no autograd bookkeeping, for every rule alike
         if warmup:
