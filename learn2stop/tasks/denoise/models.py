@@ -128,8 +128,8 @@ class DeepSupervisedDnCNN(nn.Module):
         """
         to, head, final = self._macs_to()
         T = self.num_steps
-        return [to[t - 1] + (t - 1) * head + (final if t == T else head) + (t - 1 if t == T else t) * self.policy_macs
-                for t in range(1, T + 1)]
+        return [to[t - 1] + ((t - 1) * head + (final if t == T else head)) + (t - 1 if t == T else t) * self.policy_macs
+                for t in range(1, T + 1)]  # summed in the order they always were (the price prior reads them)
 
     @property
     def fixed_exit_costs(self) -> list[float]:
