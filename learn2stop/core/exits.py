@@ -137,7 +137,6 @@ class _Segment:
     """
 
     def __init__(self, nodes: list[fx.Node], source: fx.Node, result: fx.Node, extra_inputs: dict):
-        self.source, self.result, self.nodes, self.extra_inputs = source, result, nodes, extra_inputs
         graph, env = fx.Graph(), {}
         env[source] = graph.placeholder("x")
         for p in extra_inputs:  # a forward's further inputs, at their defaults: passed as arguments
