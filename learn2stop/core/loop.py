@@ -42,6 +42,19 @@ def check_rule(rule: Any) -> None:
                         f"got {type(rule).__name__} {rule!r}{hint}")
 
 
+def read_steps(rule: Any, num_steps: int) -> Collection[int]:
+    """The steps at which the loop (and the stream) read the model out for ``rule``, besides those where planned
+    rows stop: a per-step rule from the step before its first ask (its ``previous_output``; from the ask itself for a
+    rule that does not read it) to T; a planning rule at its plan, at its second plan and the step before, and T."""
+    T = num_steps
+    plan_step = member(rule, "plan_step")
+    if plan_step is None:
+        first = first_ask(rule)
+        return range(min(first - 1 if member(rule, "reads_previous") else first, T), T + 1)
+    replan_step = member(rule, "replan_step")
+    return {plan_step, T} if replan_step is None else {plan_step, replan_step - 1, replan_step, T}
+
+
 def first_ask(rule: Any) -> int:
     """The first step at which the loop consults a rule: its planning step, or its ``first_step``
     (a learned policy's ``min_step``, 2 for a tolerance test), else 1."""
@@ -278,10 +291,7 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
     replan_step = member(rule, "replan_step") if plan_step is not None else None
     check_replan_step(plan_step, replan_step, T)
     first = first_ask(rule)
-    # where the model is read out: a per-step rule from the step before its first ask (its previous output) on, a
-    # planned one at its plans and the step before the second, and where planned rows stop (finish); both at T
-    read_from = min(first - 1 if member(rule, "reads_previous") else first, T)
-    read_at = {plan_step, replan_step, None if replan_step is None else replan_step - 1, T}
+    reads = read_steps(rule, T)  # and where planned rows stop (finish)
     state = _first(model.initial_state, model, inputs)
     device = tree_leaves(state)[0].device if tree_leaves(state) else tree_leaves(inputs)[0].device
     active = torch.arange(B, device=device)  # (B_active,) original rows of the running samples
@@ -340,7 +350,7 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
     for t in range(1, T + 1):
         if remaining is not None and remaining[t - 1] < active.numel():  # planned mode: keep the leading rows
             previous, = lead(remaining[t - 1], previous)
-        state, output = _step(model, t, state, inputs, read=t in read_at if plan_step is not None else t >= read_from)
+        state, output = _step(model, t, state, inputs, read=t in reads)
         if t == T:
             finish(slice(None), output, T)
             break
@@ -418,7 +428,7 @@ def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int
     T = model.num_steps
     B = batch_size(inputs)
     first = first_ask(rule)
-    read_from = min(first - 1 if member(rule, "reads_previous") else first, T)
+    reads = read_steps(rule, T)
     state = _first(model.initial_state, model, inputs)
     device = tree_leaves(state)[0].device if tree_leaves(state) else tree_leaves(inputs)[0].device
     active = torch.arange(B, device=device)
@@ -434,7 +444,7 @@ def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int
 
     previous = None
     for t in range(1, T + 1):
-        state, output = _step(model, t, state, inputs, read=t >= read_from)
+        state, output = _step(model, t, state, inputs, read=t in reads)
         if done is not None:  # rows already stopped keep the output of their stop step
             output = tree_zip_map(lambda h, o: torch.where(done.view(-1, *([1] * (o.dim() - 1))), h, o), held, output)
         if t == T:

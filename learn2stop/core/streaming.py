@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .loop import StepView, _readout, _step, check_rule, check_stepwise, first_ask, member
+from .loop import StepView, _readout, _step, check_rule, check_stepwise, first_ask, member, read_steps
 from .trees import batch_size, tree_cat, tree_leaves, tree_map, tree_select
 
 
@@ -104,11 +104,7 @@ class StreamingRunner:
         self.plan_step = member(rule, "plan_step")
         self.replan_step = member(rule, "replan_step") if self.plan_step is not None else None
         self.first = first_ask(rule)
-        # read out as the loop does (run_with_early_exit): a per-step rule from the step before its first ask, a
-        # planned one at its plans, the step before its second and T; a planned request that stops elsewhere alone
-        self.read_from = min(self.first - 1 if member(rule, "reads_previous") else self.first, self.T)
-        self.read_at = {self.plan_step, self.replan_step, None if self.replan_step is None else self.replan_step - 1,
-                        self.T}
+        self.reads = read_steps(rule, self.T)  # as the loop; a planned request that stops elsewhere is read alone
         self.queues: list[deque[_Chunk]] = [deque() for _ in range(self.T)]  # queues[t]: ran t steps
         self._rows = [0] * self.T  # requests in each queue (kept as they come and go: a tick must not count them)
         self.finished: dict[int, Finished] = {}
@@ -172,8 +168,7 @@ class StreamingRunner:
                 c.planned = self.rule.plan(StepView(0, T, c.inputs, None, None, None, c.slots)).clamp(1, T)
             c.state = model.initial_state(c.inputs)
         previous = c.output
-        c.state, c.output = _step(model, t, c.state, c.inputs,
-                                  read=t in self.read_at if self.plan_step is not None else t >= self.read_from)
+        c.state, c.output = _step(model, t, c.state, c.inputs, read=t in self.reads)
         self.steps_run += 1
         self.rows_run += len(c)
         if t == T:
