@@ -29,7 +29,8 @@ from .core.evaluation import BackendError
 from .core.loop import Rollout, member, run_with_early_exit
 from .core.model import StoppingModel
 from .core.rules import FixedDepth, PolicyRule, SignalRule
-from .core.trees import tree_leaves
+from .core.streaming import StreamingRunner
+from .core.trees import batch_size, tree_cat, tree_leaves, tree_select
 
 BACKENDS = ("torch", "compile", "stream", "onnxruntime")
 Runner = Callable[[Any, Any, Any], Rollout]
@@ -103,14 +104,11 @@ class StreamRunner:
     takes_all = True
 
     def __call__(self, model: Any, inputs: Any, rule: Any, max_batch: int | None = None, **kw) -> Rollout:
-        from .core.streaming import StreamingRunner
-        from .core.trees import batch_size, tree_cat, tree_map
-
         if kw.get("record_probs") or kw.get("compact_every"):
             raise BackendError("backend stream: record_probs and compact_every are options of the torch loop")
         n = batch_size(inputs)
         stream = StreamingRunner(model, rule, max_batch=max_batch or n, capacity=max(n, 1))
-        ids = [stream.submit(tree_map(lambda x, i=i: x[i:i + 1], inputs)) for i in range(n)]
+        ids = [stream.submit(tree_select(inputs, slice(i, i + 1))) for i in range(n)]
         stream.run_until_idle()
         done = [stream.finished[i] for i in ids]
         stop_times = torch.tensor([f.stop_time for f in done], device=tree_leaves(inputs)[0].device)

@@ -271,3 +271,8 @@ def test_a_fixed_depth_is_costed_without_the_exits_it_does_not_read():
     # a model that declares no fixed costs: a fixed depth costs its exit costs
     model.fixed_exit_costs = None
     assert torch.equal(collect_trace(model, batches, acc).fixed_depth_costs, trace.costs)
+    from learn2stop.core.distributions import fixed_depth_costs
+
+    model.fixed_exit_costs, model.exit_costs = [1, 2, 3], None  # fixed costs without their scale: named
+    with pytest.raises(ValueError, match="fixed_exit_costs without exit_costs"):
+        fixed_depth_costs(model)

@@ -257,9 +257,10 @@ def fixed_depth_costs(model, device=None) -> Tensor:
     network alone at T is below 1 when the full ``exit_costs`` count every exit head). A model without
     ``fixed_exit_costs`` gives :func:`exit_costs`."""
     raw = getattr(model, "fixed_exit_costs", None)
-    full = exit_costs(model)
     if raw is None:
-        return full.to(device)
+        return exit_costs(model, device)
+    if getattr(model, "exit_costs", None) is None:
+        raise ValueError(f"{type(model).__name__} declares fixed_exit_costs without exit_costs, their scale")
     costs = torch.as_tensor(raw, dtype=torch.float32).flatten().cpu()
     if costs.numel() != model.num_steps:
         raise ValueError(f"{type(model).__name__}.fixed_exit_costs has {costs.numel()} entries; the model has "

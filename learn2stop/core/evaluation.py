@@ -239,19 +239,16 @@ def measure_speed(model: Any, inputs: Any, rule_factory: Callable[[], Any], batc
     leaves = tree_leaves(inputs)
     n = leaves[0].shape[0]
     cuda = leaves[0].is_cuda
-    if getattr(runner, "takes_all", False):
+    if getattr(runner, "takes_all", False):  # the warm-up: a short stream
         runner = functools.partial(runner, max_batch=batch_size)
-        chunks = [inputs]
-        if warmup:  # a short stream first (its first calls allocate, and MAML's torch.func transforms warm up)
-            with torch.inference_mode():
-                runner(model, tree_map(lambda x: x[:2 * batch_size], inputs), rule_factory())
-            warmup = False
+        chunks, warm = [inputs], tree_map(lambda x: x[:2 * batch_size], inputs)
     else:
         chunks = [tree_map(lambda x: x[i:i + batch_size], inputs) for i in range(0, n, batch_size)]
+        warm = chunks[0]
     best = 0.0
     with torch.inference_mode():  # as a deployment runs: no autograd bookkeeping, for every rule alike
         if warmup:
-            runner(model, chunks[0], rule_factory())
+            runner(model, warm, rule_factory())
         for _ in range(repeats):
             if cuda:
                 torch.cuda.synchronize()

@@ -184,7 +184,7 @@ def evaluate(cfg: ClassifyConfig, run) -> dict:
     sm_rule, desc = deployed_rule(APP, cfg, run.run_dir, sm)
     r = evaluate_rule(sm.model, test, lambda: sm_rule, metric, dev, runner=run.runner)
     stop_row = {"rule": desc, "accuracy": r["metric"], "mean_steps": r["mean_steps"],
-                "flops_fraction": float(_flops_at(sm.model, sm_rule, r["stop_times"]).mean() / full_flops)}
+                "flops_fraction": r["mean_cost"] * sm.model.exit_costs[-1] / full_flops}  # the costs the rule runs
     reason = served_baseline(APP, cfg, run.run_dir)
     if reason is None:
         deployed, stop_line = stop_row, ""
