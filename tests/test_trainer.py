@@ -69,6 +69,50 @@ def test_stage2_leaves_theta_untouched(tmp_path):
         torch.testing.assert_close(v, before[k])
 
 
+def test_flush_denormals_zeroes_subnormal_values_alone_and_counts_them():
+    from learn2stop.core.fastpath import flush_denormals_
+
+    m = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        m.weight.copy_(torch.tensor([[1e-40, -1e-42, 1.0], [0.0, 1e-30, -torch.finfo(torch.float32).tiny]]))
+    m.register_buffer("wide", torch.tensor([1e-310, 1e-300], dtype=torch.float64))
+    m.register_buffer("count", torch.tensor([0, 1, 2]))  # not floating point: left alone
+    assert flush_denormals_(m) == 3
+    assert m.weight.tolist() == [[0.0, 0.0, 1.0], [0.0, pytest.approx(1e-30), -torch.finfo(torch.float32).tiny]]
+    assert m.wide.tolist() == [0.0, 1e-300] and m.count.tolist() == [0, 1, 2]
+    assert flush_denormals_(m) == 0
+
+
+def _subnormals(tensors) -> int:
+    return sum(int(((t != 0) & (t.abs() < torch.finfo(t.dtype).tiny)).sum()) for t in tensors if t.is_floating_point())
+
+
+def test_a_finished_stage_and_a_loaded_checkpoint_hold_no_subnormal_weight(tmp_path):
+    """Subnormal weights (what weight decay leaves in dead units) make a CPU's matrix products take a slow path; a
+    finished stage hands on and saves none, loading flushes an older checkpoint's, and the outputs do not move."""
+    from learn2stop.core.trainer import load_finished_stage
+
+    sm = make_sm()
+    with torch.no_grad():  # theta, which Stage II leaves alone, with subnormal weights beside ordinary ones
+        sm.model.W[1].weight[0, :3] = torch.tensor([1e-40, -3e-41, 2e-44])
+    y = ToyTask().sample_batch(16, torch.Generator().manual_seed(0), "cpu")[0]
+    outputs = lambda m: torch.stack(m.eval().unroll(y, keep_outputs=True, model_grad=False).step_outputs)  # noqa: E731
+    before = outputs(sm)
+    StagedTrainer(sm, ToyTask(), tmp_path, progress=False).fit(
+        "stage2", StageConfig(objective="stage2", iterations=3, batch_size=8, eval_every=3))
+    assert _subnormals(sm.parameters()) == 0
+    saved = load_checkpoint(tmp_path / "checkpoints" / "stage2.pt")
+    assert _subnormals(saved["weights"].values()) == 0
+    saved["weights"]["model.W.1.weight"][0, :3] = torch.tensor([1e-40, -3e-41, 2e-44])  # a checkpoint from before
+    save_checkpoint({k: v for k, v in saved.items() if k not in ("format", "version")}, tmp_path / "checkpoints" / "stage2.pt")
+    fresh = make_sm()
+    load_finished_stage(fresh, tmp_path / "checkpoints", "stage2")
+    assert _subnormals(fresh.parameters()) == 0
+    for a, b in zip(fresh.parameters(), sm.parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(outputs(sm), before)  # the subnormal weights added nothing the outputs could hold
+
+
 @pytest.mark.parametrize("optimizer, lr", [("adam", 1e-2), ("sgd", 0.2)])
 def test_short_training_run_improves(tmp_path, optimizer, lr):
     sm = make_sm()

@@ -37,6 +37,7 @@ from ..utils.rundir import drop_added_defaults, truncate_metrics
 from ..utils.distributed import DistContext
 from .calibration import InferenceConfig
 from .distributions import exit_costs
+from .fastpath import flush_denormals_
 from .model import StoppingModel
 from .trees import tree_map
 from .objectives import NonFiniteError, StageConfig, StageObjective
@@ -96,6 +97,7 @@ def load_finished_stage(module: nn.Module, checkpoint_dir: str | Path, stage: st
         module.load_state_dict(ck["weights"])
     except (KeyError, RuntimeError) as e:
         raise CheckpointError(f"{path} does not fit the configured model: {e}") from None
+    flush_denormals_(module)  # checkpoints written before the trainer flushed them (a subnormal weight is slow)
     return ck.get("summary", {})
 
 
@@ -383,6 +385,7 @@ class StagedTrainer:
                 self._load_weights(load_checkpoint(best_path, map_location=self.ctx.device), best_path)
         summary = {"stage": name, "iterations": cfg.iterations, "best_score": best, "select": cfg.select,
                    "seconds": round(elapsed, 2)}
+        flush_denormals_(self.sm)  # what the stage hands on and saves: no subnormal weight to slow a CPU down
         checkpoint(cfg.iterations, completed=True, summary=summary)
         for p in self.sm.parameters():
             p.requires_grad_(True)
