@@ -88,8 +88,9 @@ def flush_denormals_(module: nn.Module) -> int:
     against 0.13 on one), and the plan that should cost a fifth of a LISTA step cost 0.7 of one.
     ``torch.set_flush_denormal`` is no fix: it sets the calling thread alone, not the threads of an intra-op
     pool. A subnormal weight (below 1.2e-38 in float32) times an activation of ordinary size adds nothing a
-    float32 sum of such activations can hold, so the outputs stay as they were (checked bit for bit on the runs of
-    ``benchmarks/sparse_planner_cost.py``); the trainer flushes each finished stage, and :func:`load_finished_stage
+    float32 sum of such activations can hold, so the outputs stay as they were (checked bit for bit: the sparse quick
+    and ``paper-cpu`` planners' plans and stop times, and README command 1's results); the trainer flushes each
+    finished stage, and :func:`load_finished_stage
     <learn2stop.core.trainer.load_finished_stage>` the checkpoints written before it did.
     """
     count = 0
