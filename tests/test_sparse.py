@@ -193,6 +193,22 @@ def test_the_depth_planner_features_are_the_documented_statistics():
         SparseDepthPlanner(A, 6, inputs="sketch")
 
 
+def test_support_size_counts_exactly_what_count_nonzero_counts():
+    """The planners' support statistic: the exact nonzero count per row, in the input's dtype; a negative zero and a
+    subnormal value count as what they are (zero, nonzero)."""
+    from learn2stop.tasks.sparse.policy import support_size
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 300, generator=g) * (torch.rand(64, 300, generator=g) < 0.2)
+    x[0, :3] = torch.tensor([-0.0, 1e-40, -1e-40])
+    for dtype in (torch.float32, torch.float64):
+        got = support_size(x.to(dtype))
+        assert got.dtype == dtype and got.shape == (64,)
+        assert torch.equal(got, torch.count_nonzero(x, dim=1).to(dtype))
+        assert torch.equal(support_size(x.to(dtype), x.to(dtype).abs()), got)  # from |x|, where the caller has it
+    assert support_size(x)[0] == int((x[0] != 0).sum()) and x[0, 0] == 0 and x[0, 1] != 0
+
+
 def test_a_planner_checkpoint_names_the_statistics_it_was_trained_on():
     """A checkpoint of the residual planner (made before the norms existed, so without the key) refuses to load
     into a norms planner, naming the config field; into a residual planner it loads."""
