@@ -131,3 +131,16 @@ def test_sparse_replan_probe_tiny(capsys):
     assert any(k.startswith("second plan at step 4") for k in table)
     assert all(v is not None for v in table["fixed depth"].values())
     assert "| curve |" in capsys.readouterr().out
+
+
+def test_maml_sinusoid_bound_tiny(capsys):
+    """The Bayes-stop bound on random-weight quick models: the sinusoids are recovered from their clean query points,
+    and each oracle is at or below every rule on the MSE it picks by (the least of each task's curve)."""
+    r = _load("maml_sinusoid_bound").main(["--tiny"])
+    assert r["largest_residual"] < 1e-4
+    rows = r["rows"]
+    table, expected = rows["oracle on the 20 query labels (the table's)"], rows["oracle on the expected MSE (any rule)"]
+    for name, (observed_mse, expected_mse, _) in rows.items():
+        assert table[0] <= observed_mse + 1e-9 and expected[1] <= expected_mse + 1e-9, name
+    assert set(r["curves"]) == {"policy, quantile", "policy, threshold", "Bayes stop, priced", "fixed depth"}
+    assert "Bayes stop (support only)" in capsys.readouterr().out

@@ -167,6 +167,58 @@ def test_policy_runs_on_maml_outputs_and_needs_features():
         sm.unroll(inputs, target, model.task_loss)
 
 
+@pytest.mark.parametrize("classification", [False, True])
+def test_the_joint_policy_reads_each_support_element_with_its_fit(classification):
+    """The default policy embeds each support element's features with its target, prediction and residual: pairing
+    the fits with other elements' features changes its logit, and the separate policy (the release's: residuals
+    alone) cannot tell. A masked (padding) element changes neither."""
+    g = torch.Generator().manual_seed(0)
+    B, S, Q, D, C = 3, 5, 4, 6, (4 if classification else 1)
+    y = torch.randint(0, C, (B, S), generator=g) if classification else torch.randn(B, S, 1, generator=g)
+    inputs = {"support_y": y, "support_mask": torch.tensor([[1.0] * 5, [1.0] * 5, [1, 1, 1, 0, 0]]), "shots": torch.tensor([5, 5, 3])}
+    output = {"support_pred": torch.randn(B, S, C, generator=g), "support_feats": torch.randn(B, S, D, generator=g),
+              "query_feats": torch.randn(B, Q, D, generator=g), "pred": torch.randn(B, Q, C, generator=g),
+              "support_loss": torch.rand(B, generator=g)}
+    torch.manual_seed(0)
+    joint, separate = MAMLStopPolicy(D, C, 4, classification), MAMLStopPolicy(D, C, 4, classification, inputs="separate")
+    assert joint.inputs == "joint"
+    shift = [1, 2, 0, 3, 4]  # the first three support elements' fits move to other elements' features
+    moved = {**output, "support_pred": output["support_pred"][:, shift]}
+    moved_inputs = {**inputs, "support_y": y[:, shift]}
+    for policy in (joint, separate):
+        with torch.no_grad():
+            a, b = policy(inputs, output, 2), policy(moved_inputs, moved, 2)
+        assert a.shape == (B,)
+        assert (not torch.allclose(a, b)) if policy is joint else torch.allclose(a, b, atol=1e-6)
+    padded = {**output, "support_feats": output["support_feats"].clone()}
+    padded["support_feats"][2, 3:] = 100.0
+    with torch.no_grad():
+        torch.testing.assert_close(joint(inputs, padded, 2), joint(inputs, output, 2))
+    with pytest.raises(ValueError, match="inputs must be one of"):
+        MAMLStopPolicy(D, C, 4, classification, inputs="both")
+
+
+def test_a_separate_policy_checkpoint_loads_as_it_was_trained():
+    """A checkpoint of the separate policy (every MAML-stop run before the joint one) loads into the default-built
+    policy, which takes its shapes and gives its logits; a joint checkpoint loads back as joint."""
+    g = torch.Generator().manual_seed(1)
+    inputs = {"support_y": torch.randn(2, 3, 1, generator=g), "support_mask": torch.ones(2, 3), "shots": torch.tensor([3, 3])}
+    output = {"support_pred": torch.randn(2, 3, 1, generator=g), "support_feats": torch.randn(2, 3, 8, generator=g),
+              "query_feats": torch.randn(2, 5, 8, generator=g), "pred": torch.randn(2, 5, 1, generator=g),
+              "support_loss": torch.rand(2, generator=g)}
+    old = MAMLStopPolicy(8, 1, 5, classification=False, inputs="separate")
+    loaded = MAMLStopPolicy(8, 1, 5, classification=False)
+    loaded.load_state_dict(old.state_dict())
+    assert loaded.inputs == "separate"
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(inputs, output, 1), old(inputs, output, 1))
+    joint = MAMLStopPolicy(8, 1, 5, classification=False)
+    loaded.load_state_dict(joint.state_dict())
+    assert loaded.inputs == "joint"
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(inputs, output, 1), joint(inputs, output, 1))
+
+
 @pytest.mark.parametrize("name", NETWORKS.names())
 def test_every_registered_network_adapts(name):
     """Smoke test per registered learner: one inner step lowers the support loss of every task."""
