@@ -30,7 +30,7 @@ from learn2stop.core.calibration import policy_scores
 from learn2stop.core.evaluation import collect_trace
 from learn2stop.core.loop import unroll
 from learn2stop.core.pipeline import load_stage
-from learn2stop.core.rules import first_crossing
+from learn2stop.core.rules import SIGNALS, first_crossing
 from learn2stop.tasks.maml.app import APP, MAMLConfig, preset
 from learn2stop.utils.config import load_run_config
 
@@ -122,7 +122,8 @@ def main(argv=None) -> dict:
         return _at(observed, times), _at(expected, times), float(times.float().mean())
 
     fixed = torch.full((expected.shape[0],), depth)
-    rows = {"policy, quantile 0.5": row(first_crossing(policy_scores(logits, "quantile"), 0.5)),
+    alpha = SIGNALS["quantile"].from_param(0.5)  # the score threshold of the 0.5-quantile (the score is -log survival)
+    rows = {"policy, quantile 0.5": row(first_crossing(policy_scores(logits, "quantile"), alpha)),
             f"fixed {depth} (best on validation)": row(fixed),
             "Bayes stop (support only)": row(posterior.argmin(1) + 1),
             "oracle on the 20 query labels (the table's)": row(observed.argmin(1) + 1),
@@ -134,7 +135,9 @@ def main(argv=None) -> dict:
         print(f"| {name} | {a:.3f} | {b:.3f} | {s:.2f} |")
 
     def swept(scores: torch.Tensor) -> list[tuple[float, float]]:
-        pts = [first_crossing(scores, float(c)) for c in torch.linspace(0.0005, 0.9995, 400)]
+        """Thresholds at 400 quantiles of the scores' own values (each rule's whole range of depths)."""
+        levels = torch.quantile(scores.flatten().double(), torch.linspace(0, 1, 400, dtype=torch.double))
+        pts = [first_crossing(scores, float(c)) for c in levels]
         return sorted((float(t.float().mean()), _at(expected, t)) for t in pts)
 
     curves = {"policy, quantile": swept(policy_scores(logits, "quantile")),
