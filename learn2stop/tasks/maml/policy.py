@@ -36,10 +36,10 @@ class MAMLStopPolicy(nn.Module):
         vectors (classification) or values (regression); the residual is prediction - target.
     -> Linear(3 * dim + 3, 128) -> ELU -> Linear(128, 1).
 
-    Why joint: on the quick sinusoid preset a stop that knows the task family (the posterior expected query MSE
-    of each step's function given the support) reaches 1.41 expected query MSE at 2.29 inner steps where the
-    separate policy reached 1.60 and a fixed depth 1.72; a Stage II of the joint policy on the same Stage I
-    meta-learner, 1.57 (docs/maml.md).
+    Why joint: on the quick sinusoid preset, at 3 inner steps, the joint policy's quantile rule reaches 1.545 expected
+    query MSE where the separate one reached 1.594, a fixed depth 1.687, and a stop that knows the task family (the
+    least posterior expected query MSE of each step's function given the support) 1.385
+    (``benchmarks/maml_sinusoid_bound.py``, docs/maml.md).
 
     Args:
         feat_dim: the learner's feature size D. out_dim: its output size (N classes, or 1).

@@ -92,8 +92,9 @@ class SparseStopPolicy(MinStep, nn.Module):
         sy = y @ self.S.T  # (B, k)
         sr = sy - x @ self.SA.T  # (B, k) sketched residual
         ny, nr = sy.norm(dim=1, keepdim=True), sr.norm(dim=1, keepdim=True)
-        l1 = x.abs().sum(dim=1, keepdim=True)
-        support = support_size(x).unsqueeze(1) / x.shape[1]
+        absolute = x.abs()
+        l1 = absolute.sum(dim=1, keepdim=True)
+        support = support_size(x, absolute).unsqueeze(1) / x.shape[1]
         logs = torch.log(torch.cat([ny, nr, l1], dim=1) + eps)  # log ||Sy||, log ||S r||, log ||x_t||_1
         return torch.cat([sy / (ny + eps), sr / (nr + eps), logs, support], dim=1)
 
