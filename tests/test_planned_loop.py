@@ -131,6 +131,40 @@ def test_speed_at_quality_interpolates_the_crossing():
     assert out["never"] == {"reaches": False, "best_metric": 1.5}
 
 
+def test_speed_at_quality_flags_a_curve_already_better_at_its_cheapest_point():
+    metric = Metric("err", lambda o, t: o, lower_is_better=True)
+    ref = {"metric": 1.0, "samples_per_s_batch1": 100.0}
+    out = speed_at_quality({"early": [{"mean_steps": 3, "metric": 0.7, "samples_per_s_batch1": 300.0}],
+                            "tie": [{"mean_steps": 3, "metric": 1.0, "samples_per_s_batch1": 300.0}]}, metric, ref)
+    assert out["early"]["lower_bound"] and out["early"]["speedup_batch1"] == pytest.approx(3.0)
+    assert out["tie"]["reaches"] and not out["tie"]["lower_bound"]  # it reaches the target exactly there
+
+
+def test_a_budget_curve_better_than_the_reference_at_its_cheapest_budget_is_extended_below_it():
+    from learn2stop.core.evaluation import Trace, budget_curve, extend_below
+    from learn2stop.core.rules import make_signal
+
+    # 8 steps, error 1.0 at step 1 and 0.0 from step 2 on; the policy's score says "stop" from step 2 on for every
+    # sample but with a spread, so cheap budgets stop some samples at step 1
+    g = torch.Generator().manual_seed(0)
+    N, T = 400, 8
+    metric_vals = torch.zeros(N, T)
+    metric_vals[:, 0] = 1.0
+    scores = torch.rand(N, T - 1, generator=g).sort(dim=1).values
+    costs = torch.arange(1, T + 1) / T
+    trace = Trace(metric=metric_vals, costs=costs, signals={"threshold": scores})
+    metric = Metric("err", lambda o, t: o, lower_is_better=True)
+    signal = make_signal("threshold", nn.Linear(1, 1))
+    base = budget_curve(trace, metric, trace, "threshold", signal, [0.5, 1.0])
+    assert min(p["metric"] for p in base) == 0.0  # better than a reference of 0.5 at its cheapest budget
+    out = extend_below(base, trace, metric, trace, "threshold", signal, goal=0.5)
+    cheapest = min(out, key=lambda p: p["mean_cost"])
+    assert len(out) > len(base) and cheapest["budget"] < 0.5
+    assert not metric.better(cheapest["metric"], 0.5)  # the crossing of the reference is now inside the curve
+    assert [p["budget"] for p in out] == sorted(p["budget"] for p in out)
+    assert extend_below(base, trace, metric, trace, "threshold", signal, goal=-1.0) == base  # never better: unchanged
+
+
 def test_price_rule_is_argmax_of_repriced_plan_online_and_offline():
     from learn2stop.core.rules import PriceSignal
 

@@ -196,6 +196,30 @@ def budget_curve(trace: Trace, metric: Metric, val: Trace, name: str, signal: St
     return out
 
 
+#: budgets tried below a budget curve's cheapest one when that point already beats the speed reference
+LOWER_BUDGETS = (0.2, 0.15, 0.12, 0.1, 0.07, 0.05, 0.03, 0.02)
+
+
+def extend_below(curve: list[dict], trace: Trace, metric: Metric, val: Trace, name: str, signal: StopSignal,
+                 goal: float, by: str = "steps") -> list[dict]:
+    """A budget curve with cheaper budgets added (:data:`LOWER_BUDGETS`, each below the curve's cheapest) while its
+    cheapest point is still better than ``goal`` (the speed reference's metric): the crossing of the reference then
+    lies between points of the curve, and its speed there is measured, not bounded by the cheapest budget's. A budget
+    the rule cannot spend so little on (below its first asked step), or that costs no less than the cheapest point,
+    adds nothing."""
+    out = list(curve)
+    for b in LOWER_BUDGETS:
+        cheapest = min(out, key=lambda p: p["mean_cost"], default=None)
+        if cheapest is None or not metric.better(cheapest["metric"], goal) or cheapest["metric"] == goal:
+            break
+        if b >= cheapest.get("budget", 0.0):
+            continue
+        new = budget_curve(trace, metric, val, name, signal, [b], by)
+        if new and new[0]["mean_cost"] < cheapest["mean_cost"]:
+            out.insert(0, new[0])
+    return out
+
+
 def oracle_curve(trace: Trace, metric: Metric, points: int = 14) -> list[dict]:
     """The per-sample best step under a swept price on cost (a bound: it needs the target)."""
     spread = float((trace.metric.max() - trace.metric.min()).abs()) or 1.0
@@ -335,7 +359,9 @@ def speed_at_quality(curves: dict[str, list[dict]], metric: Metric, target: dict
     Along a curve sorted by mean steps, the first point at least as good as the target and the point before
     it bracket the crossing; its mean steps and time per sample (at batch 1 and at the large batch) are
     interpolated linearly in the metric. ``speedup_*`` is the ratio to the target's own speed. A curve that
-    never reaches the target says so (``reaches: False``, with its best metric).
+    never reaches the target says so (``reaches: False``, with its best metric); one whose cheapest point is already
+    better than the target reaches it somewhere below that point, so its speed there is only a lower bound
+    (``lower_bound: True``).
     """
     out: dict[str, dict] = {}
     goal = target["metric"]
@@ -352,7 +378,8 @@ def speed_at_quality(curves: dict[str, list[dict]], metric: Metric, target: dict
         a = pts[hit - 1] if hit > 0 else b
         span = metric.gain(b["metric"], a["metric"])
         w = 1.0 if span <= 0 else min(max(metric.gain(goal, a["metric"]) / span, 0.0), 1.0)  # share of the way a -> b
-        row = {"reaches": True, "mean_steps": a["mean_steps"] + w * (b["mean_steps"] - a["mean_steps"])}
+        row = {"reaches": True, "mean_steps": a["mean_steps"] + w * (b["mean_steps"] - a["mean_steps"]),
+               "lower_bound": hit == 0 and b["metric"] != goal}
         for key in SPEED_KEYS:
             if key in a and key in b and target.get(key):
                 per_sample = (1 - w) / a[key] + w / b[key]  # time per sample, interpolated
@@ -402,12 +429,16 @@ def _time_table(result: dict, at: dict, ref: dict, backend: str) -> str:
 
     lines = []
     for curve, r in at.items():
-        if r["reaches"]:
+        if r["reaches"] and r.get("lower_bound"):  # better than the reference at its cheapest point already
+            bound = lambda v: None if v is None else f">= {v:.3g}"
+            lines.append([f"{curve} (cheapest point)", f"<= {r['mean_steps']:.3g}", bound(r.get("speedup_batch1")),
+                          bound(r.get("speedup_batchN")), r.get("samples_per_s_batch1"), r.get("samples_per_s_batchN")])
+        elif r["reaches"]:
             lines.append([curve, r["mean_steps"], r.get("speedup_batch1"), r.get("speedup_batchN"),
                           r.get("samples_per_s_batch1"), r.get("samples_per_s_batchN")])
         else:
             lines.append([curve, f"never (best {r['best_metric']:.4g})", None, None, None, None])
-    lines.sort(key=lambda l: -(l[3] or 0))
+    lines.sort(key=lambda l: -(float(l[3].lstrip(">= ")) if isinstance(l[3], str) else l[3] or 0))
     first = result.get("backend", "torch")
     where = "" if backend == first and not result.get("speed_at_quality_by_backend") else \
         f", backend {backend}" + ("" if backend == first else f" (speed-ups against {ref['name']} in {first})")
