@@ -138,6 +138,10 @@ def test_speed_at_quality_flags_a_curve_already_better_at_its_cheapest_point():
                             "tie": [{"mean_steps": 3, "metric": 1.0, "samples_per_s_batch1": 300.0}]}, metric, ref)
     assert out["early"]["lower_bound"] and out["early"]["speedup_batch1"] == pytest.approx(3.0)
     assert out["tie"]["reaches"] and not out["tie"]["lower_bound"]  # it reaches the target exactly there
+    from learn2stop.core.evaluation import _time_table
+
+    table = _time_table({"batch_n": 8}, out, {"name": "full depth", **ref}, "torch")
+    assert "| early (cheapest point) | <= 3 | >= 3 |" in table and "| tie | 3" in table
 
 
 def test_a_budget_curve_better_than_the_reference_at_its_cheapest_budget_is_extended_below_it():

@@ -427,18 +427,19 @@ def _time_table(result: dict, at: dict, ref: dict, backend: str) -> str:
     """The "In time" table of one backend: each curve's speed where it reaches the reference quality."""
     from ..utils.report import markdown_table
 
-    lines = []
+    lines = []  # (speed-up at batch N for the order, row)
     for curve, r in at.items():
         if r["reaches"] and r.get("lower_bound"):  # better than the reference at its cheapest point already
             bound = lambda v: None if v is None else f">= {v:.3g}"
-            lines.append([f"{curve} (cheapest point)", f"<= {r['mean_steps']:.3g}", bound(r.get("speedup_batch1")),
-                          bound(r.get("speedup_batchN")), r.get("samples_per_s_batch1"), r.get("samples_per_s_batchN")])
+            lines.append((r.get("speedup_batchN"), [f"{curve} (cheapest point)", f"<= {r['mean_steps']:.3g}",
+                          bound(r.get("speedup_batch1")), bound(r.get("speedup_batchN")), r.get("samples_per_s_batch1"),
+                          r.get("samples_per_s_batchN")]))
         elif r["reaches"]:
-            lines.append([curve, r["mean_steps"], r.get("speedup_batch1"), r.get("speedup_batchN"),
-                          r.get("samples_per_s_batch1"), r.get("samples_per_s_batchN")])
+            lines.append((r.get("speedup_batchN"), [curve, r["mean_steps"], r.get("speedup_batch1"),
+                          r.get("speedup_batchN"), r.get("samples_per_s_batch1"), r.get("samples_per_s_batchN")]))
         else:
-            lines.append([curve, f"never (best {r['best_metric']:.4g})", None, None, None, None])
-    lines.sort(key=lambda l: -(float(l[3].lstrip(">= ")) if isinstance(l[3], str) else l[3] or 0))
+            lines.append((None, [curve, f"never (best {r['best_metric']:.4g})", None, None, None, None]))
+    lines = [row for _, row in sorted(lines, key=lambda l: -(l[0] or 0))]
     first = result.get("backend", "torch")
     where = "" if backend == first and not result.get("speed_at_quality_by_backend") else \
         f", backend {backend}" + ("" if backend == first else f" (speed-ups against {ref['name']} in {first})")
