@@ -135,13 +135,27 @@ def test_speed_at_quality_flags_a_curve_already_better_at_its_cheapest_point():
     metric = Metric("err", lambda o, t: o, lower_is_better=True)
     ref = {"metric": 1.0, "samples_per_s_batch1": 100.0}
     out = speed_at_quality({"early": [{"mean_steps": 3, "metric": 0.7, "samples_per_s_batch1": 300.0}],
-                            "tie": [{"mean_steps": 3, "metric": 1.0, "samples_per_s_batch1": 300.0}]}, metric, ref)
+                            "tie": [{"mean_steps": 3, "metric": 1.0, "samples_per_s_batch1": 200.0}]}, metric, ref)
     assert out["early"]["lower_bound"] and out["early"]["speedup_batch1"] == pytest.approx(3.0)
     assert out["tie"]["reaches"] and not out["tie"]["lower_bound"]  # it reaches the target exactly there
     from learn2stop.core.evaluation import _time_table
 
     table = _time_table({"batch_n": 8}, out, {"name": "full depth", **ref}, "torch")
     assert "| early (cheapest point) | <= 3 | >= 3 |" in table and "| tie | 3" in table
+    assert "Fastest there: at batch 1 early (>= 3x)." in table
+
+
+def test_fastest_at_quality_picks_each_batch_sizes_fastest_curve_and_never_the_oracle():
+    from learn2stop.core.evaluation import fastest_at_quality
+
+    at = {"policy": {"reaches": True, "speedup_batch1": 1.2, "speedup_batchN": 2.0},
+          "fixed_depth": {"reaches": True, "speedup_batch1": 1.5, "speedup_batchN": 1.1, "lower_bound": True},
+          "tolerance": {"reaches": False, "best_metric": 3.0},
+          "oracle": {"reaches": True, "speedup_batch1": 9.0, "speedup_batchN": 9.0}}
+    out = fastest_at_quality(at)
+    assert out == {"batch1": {"curve": "fixed_depth", "speedup": 1.5, "lower_bound": True},
+                   "batchN": {"curve": "policy", "speedup": 2.0, "lower_bound": False}}
+    assert fastest_at_quality({"tolerance": at["tolerance"]}) == {}
 
 
 def test_a_budget_curve_better_than_the_reference_at_its_cheapest_budget_is_extended_below_it():

@@ -389,6 +389,21 @@ def speed_at_quality(curves: dict[str, list[dict]], metric: Metric, target: dict
     return out
 
 
+def fastest_at_quality(at: dict[str, dict]) -> dict[str, dict]:
+    """From :func:`speed_at_quality`'s rows: at batch 1 and at the large batch, the curve that runs fastest where it
+    reaches the reference quality (the rule to deploy for speed at that batch size; the oracle, which needs the
+    target, is left out). ``{"batch1": {"curve", "speedup", "lower_bound"}, "batchN": ...}``; a batch size no
+    curve has a speed at is absent."""
+    out = {}
+    for size in ("batch1", "batchN"):
+        rows = [(r["speedup_" + size], name, r.get("lower_bound", False)) for name, r in at.items()
+                if name != "oracle" and r.get("reaches") and r.get("speedup_" + size) is not None]
+        if rows:
+            speedup, name, bound = max(rows, key=lambda r: r[0])
+            out[size] = {"curve": name, "speedup": speedup, "lower_bound": bound}
+    return out
+
+
 def frontier_markdown(result: dict, x: str = "mean_steps") -> str:
     from ..utils.report import markdown_table
 
@@ -443,7 +458,11 @@ def _time_table(result: dict, at: dict, ref: dict, backend: str) -> str:
     first = result.get("backend", "torch")
     where = "" if backend == first and not result.get("speed_at_quality_by_backend") else \
         f", backend {backend}" + ("" if backend == first else f" (speed-ups against {ref['name']} in {first})")
+    fastest = fastest_at_quality(at)
+    said = [f"at batch {1 if size == 'batch1' else result['batch_n']} {f['curve']} "
+            f"({'>= ' if f['lower_bound'] else ''}{f['speedup']:.3g}x)" for size, f in fastest.items()]
     return (f"\n\n## In time: speed at the quality of {ref['name']} ({ref['metric']:.4g}){where}\n\n"
+            + (f"Fastest there: {'; '.join(said)}.\n\n" if said else "")
             + markdown_table(["curve", "mean steps", "speed-up @1", f"speed-up @{result['batch_n']}", "samples/s @1",
                               f"samples/s @{result['batch_n']}"], lines, digits=3))
 

@@ -28,7 +28,7 @@ from ..utils.distributed import DistContext
 from ..utils.report import write_json, write_text_atomic
 from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rule, policy_rules, calibrate_budget, calibrate_match, calibrate_risk,
                           CalibrationTarget, load_calibration, save_calibration)
-from .evaluation import (BackendError, Metric, Trace, budget_curve, collect_trace, extend_below, fixed_depth_curve, frontier_markdown, frontier_plot,
+from .evaluation import (BackendError, Metric, Trace, budget_curve, collect_trace, extend_below, fastest_at_quality, fixed_depth_curve, frontier_markdown, frontier_plot,
                          SPEED_KEYS, frontier_summary, frontier_time_plot, measure_speed, oracle_curve, speed_at_quality,
                          sweep_curve, _point)
 from .loop import run_with_early_exit
@@ -560,6 +560,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
         result["speed_reference"] = {"name": f"{app.baseline_stage} at full depth" if ref_pts else "full depth",
                                      "metric": ref["metric"], **{k: ref[k] for k in SPEED_KEYS if k in ref}}
         result["speed_at_quality"] = speed_at_quality(curves, metric, ref)
+        result["fastest_at_quality"] = fastest_at_quality(result["speed_at_quality"])
         result["backends"] = list(runners)
         for bname in list(runners)[1:]:
             moved = {n: [{**{k: v for k, v in p.items() if k not in SPEED_KEYS}, **p.get("speeds", {}).get(bname, {})}
