@@ -124,6 +124,14 @@ def test_quantile_scores_are_the_cdf_of_q_phi(sm):
     assert policy_scores(sharp, "quantile").diff(dim=1).gt(0).all()
 
 
+def test_a_budget_of_exactly_the_first_steps_cost_is_met_despite_float32_rounding():
+    """1 step of 10 costs 0.1 in float32, which is 0.10000000149: a budget of 0.1 stops every sample at step 1."""
+    scores = torch.rand(50, 9, generator=torch.Generator().manual_seed(0))
+    costs = torch.arange(1, 11, dtype=torch.float32) / 10
+    cal = calibrate_budget(scores, costs, 0.1, "quantile")
+    assert (first_crossing(scores, cal.threshold) == 1).all() and cal.calibration["mean_steps"] == 1.0
+
+
 @pytest.mark.parametrize("costs", [None, torch.tensor([1, 3, 4, 6, 7, 9, 10.0]) / 10])
 @pytest.mark.parametrize("budget", [0.2, 0.45, 0.7, 1.0])
 def test_budget_calibration_meets_its_budget_on_the_calibration_data(costs, budget):

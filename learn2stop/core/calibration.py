@@ -259,6 +259,10 @@ def _check_costs(costs: Any, steps: int) -> None:
         raise ValueError("costs: NaN or infinite values; every step's cost must be a finite number")
 
 
+#: how far a mean cost may sit above a budget and still meet it: costs are float32, where 1 step of 10 is 0.10000000149
+BUDGET_ROUNDING = 1e-6
+
+
 def calibrate_budget(scores: Tensor, costs: Tensor, budget: float, signal_name: str, to_param=lambda x: x) -> Calibration:
     """The largest threshold whose mean cost on these samples is at most ``budget`` (fraction of c_T = 1).
 
@@ -273,12 +277,12 @@ def calibrate_budget(scores: Tensor, costs: Tensor, budget: float, signal_name: 
     check_budget(budget)
     _check_scores(scores, signal_name)
     _check_costs(costs, scores.shape[1] + 1)
-    if float(costs[0]) > budget + 1e-9:
+    if float(costs[0]) > budget + BUDGET_ROUNDING:
         raise ConfigError(f"--budget: {budget} is below the cost of the first step ({float(costs[0]):.3f}): "
                           "no rule can spend less")
     cand = _candidates(scores)
     cost = mean_cost_curve(scores, costs, cand)
-    ok = (cost <= budget + 1e-9).nonzero().flatten()
+    ok = (cost <= budget + BUDGET_ROUNDING).nonzero().flatten()
     if ok.numel() == 0:
         raise ConfigError(f"--budget: {budget} is below the least this {signal_name} rule can spend "
                           f"({float(cost.min()):.3f} of full depth: it is not asked before its first step)")

@@ -210,7 +210,7 @@ def extend_below(curve: list[dict], trace: Trace, metric: Metric, val: Trace, na
     out = list(curve)
     for b in LOWER_BUDGETS:
         cheapest = min(out, key=lambda p: p["mean_cost"], default=None)
-        if cheapest is None or not metric.better(cheapest["metric"], goal) or cheapest["metric"] == goal:
+        if cheapest is None or metric.gain(cheapest["metric"], goal) <= 0:  # no longer strictly better
             break
         if b >= cheapest.get("budget", 0.0):
             continue
@@ -379,7 +379,7 @@ def speed_at_quality(curves: dict[str, list[dict]], metric: Metric, target: dict
         span = metric.gain(b["metric"], a["metric"])
         w = 1.0 if span <= 0 else min(max(metric.gain(goal, a["metric"]) / span, 0.0), 1.0)  # share of the way a -> b
         row = {"reaches": True, "mean_steps": a["mean_steps"] + w * (b["mean_steps"] - a["mean_steps"]),
-               "lower_bound": hit == 0 and b["metric"] != goal}
+               "lower_bound": hit == 0 and metric.gain(b["metric"], goal) > 0}
         for key in SPEED_KEYS:
             if key in a and key in b and target.get(key):
                 per_sample = (1 - w) / a[key] + w / b[key]  # time per sample, interpolated

@@ -100,6 +100,6 @@ class MAMLStopPolicy(nn.Module):
             return
         inputs = "separate" if w.shape[1] == self.out_dim else "joint"
         if inputs != self.inputs:
-            device = self.head[0].weight.device
+            like = self.head[0].weight  # the rebuilt sets take the module's device and dtype
             self._build_sets(inputs)
-            self.to(device)
+            self.to(like)
