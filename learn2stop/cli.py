@@ -47,6 +47,11 @@ def build_parser(task_name: str) -> argparse.ArgumentParser:
     cal.add_argument("--delta", type=float, default=None,
                      help="calibrate: the bound holds with probability >= 1 - delta (default 0.1)")
     cal.add_argument("--rule", default=None, help="calibrate: which rule (default: inference.rule)")
+    cal.add_argument("--fastest", action="store_true",
+                     help="calibrate: every rule of the task (the policy's, the classical ones, a fixed depth) for the "
+                          "target, timed side by side on this machine; keep the fastest")
+    cal.add_argument("--speed-batch", type=int, default=None,
+                     help="calibrate --fastest: the batch size at which the rules are timed (default: the task's)")
     cal.add_argument("--no-speed", action="store_true", help="frontier: skip the wall-clock measurements")
     cal.add_argument("--backend", default=None,
                      help="evaluate, frontier: where early exit runs: torch (default), compile (torch.compile), stream "
@@ -63,7 +68,8 @@ def check_command_options(args: argparse.Namespace, spec, cfg) -> CommandOptions
     from .core.pipeline import check_rule
 
     options = CommandOptions(command=args.command, budget=args.budget, epsilon=args.epsilon, delta=args.delta,
-                             rule=args.rule, no_speed=args.no_speed, backend=args.backend, out=args.out)
+                             rule=args.rule, fastest=args.fastest, speed_batch=args.speed_batch,
+                             no_speed=args.no_speed, backend=args.backend, out=args.out)
     if args.no_resume and args.command not in TRAINING_COMMANDS:
         raise ConfigError(f"--no-resume: only the {' and '.join(repr(c) for c in TRAINING_COMMANDS)} command(s) read it; "
                           f"'{args.command}' would ignore it")

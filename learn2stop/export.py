@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .core.calibration import Calibration, InferenceConfig
 from .core.loop import NEVER_STOP_LOGIT, check_stepwise, member
 from .core.trees import check_inputs
-from .core.rules import SIGNALS
+from .core.rules import SIGNALS, DepthSignal
 from .runtime.manifest import sha256_file
 from .utils.config import ConfigError
 
@@ -90,6 +90,9 @@ def rule_spec(rule: Any, source: str = "") -> dict:
         source = source or rule.get("source", "given")
     else:
         raise ExportError(f"rule must be an InferenceConfig, a Calibration or a dict with 'name' and 'param'; got {rule!r}")
+    if isinstance(rule, (InferenceConfig, Calibration)) and name == "fixed":  # a depth, or full depth (+inf)
+        depth = DepthSignal.depth(float(threshold))
+        param, threshold = (depth, None) if depth is not None else (None, math.inf)
     if name not in RUNTIME_RULES:
         raise ExportError(f"rule {name!r}: the runtime implements {', '.join(RUNTIME_RULES)}; "
                           f"calibrate or set --inference.rule to one of them before exporting")
@@ -110,11 +113,11 @@ def _plan_step(policy: Any) -> int | None:
 def _schedule(spec: dict, policy: Any, T: int) -> dict:
     """Which step graphs exist, where the readout, the policy's logit or its plan are computed."""
     name = spec["name"]
+    if spec["never_stops_early"]:
+        return {"last": T, "readout": [T], "policy": [], "plan": None, "replan": None}
     if name == "fixed":
         last = min(int(spec["param"]), T)
         return {"last": last, "readout": [last], "policy": [], "plan": None, "replan": None}
-    if spec["never_stops_early"]:
-        return {"last": T, "readout": [T], "policy": [], "plan": None, "replan": None}
     if SIGNALS[name].needs_policy:
         if policy is None:
             raise ExportError(f"rule {name!r} needs a stopping policy, but the model has none")

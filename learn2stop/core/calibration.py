@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..utils.config import ConfigError, one_of, require
 from .loop import Rollout, member
-from .rules import PLANNING_RULES, SIGNALS, PolicyRule, SignalRule, first_crossing, make_signal, sampled_stop_times
+from .rules import PLANNING_RULES, SIGNALS, PolicyRule, first_crossing, make_signal, sampled_stop_times, threshold_rule
 
 POLICY_RULES = ("threshold", "quantile", "price")  # "price" needs a planning policy
 CALIBRATION_FILE = "calibration.json"
@@ -48,7 +48,8 @@ class InferenceConfig:
     """How a trained stopping model stops at test time.
 
     rule: ``quantile`` (stop once q_phi's CDF reaches ``param`` = alpha), ``threshold`` (stop when
-        pi_t >= ``param``), or a classical rule (``tolerance``, ``confidence``, ``entropy``, ``patience``).
+        pi_t >= ``param``), a classical rule (``tolerance``, ``confidence``, ``entropy``, ``patience``), or
+        ``fixed`` (every sample stops at step ``param``).
     param: the rule's parameter.
     sampled: stop with probability pi_t instead (the paper's stochastic q_phi); ignores rule/param.
     use_calibrated: use ``calibration.json`` of the run directory when it exists.
@@ -82,7 +83,7 @@ class InferenceConfig:
                 raise ValueError("sampled inference needs a stopping policy, but the model has none")
             return PolicyRule(policy, mode="sample", generator=generator)
         signal = self.signal(policy, key)
-        return SignalRule(signal, signal.from_param(self.param))
+        return threshold_rule(signal, signal.from_param(self.param))
 
     def stop_times(self, rollout: Rollout, generator: torch.Generator | None = None) -> Tensor:
         """Stop times of this rule read off a full rollout's stop logits (policy rules only)."""
@@ -110,6 +111,7 @@ PARAM_RANGES = {
     "entropy": (lambda p: p > 0, "> 0 (an entropy in nats)"),
     "patience": (lambda p: float(p).is_integer() and p >= 1, "an integer >= 1 (exits in a row)"),
     "price": (lambda p: True, "a finite number (the price of full depth in log-probability units; 0 = the plan's MAP)"),
+    "fixed": (lambda p: float(p).is_integer() and p >= 1, "an integer >= 1 (the depth)"),
 }
 
 
@@ -155,12 +157,16 @@ class Calibration:
     target: dict
     calibration: dict = field(default_factory=dict)
     test: dict = field(default_factory=dict)
+    #: how the rule was chosen among others (``calibrate --fastest``: each candidate's speed and test result)
+    chosen_by: dict = field(default_factory=dict)
 
     def make_rule(self, policy=None, key=None):
-        return SignalRule(make_signal(self.rule, policy, key), self.threshold)
+        return threshold_rule(make_signal(self.rule, policy, key), self.threshold)
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        if not d["chosen_by"]:
+            del d["chosen_by"]
         for k in ("param", "threshold"):
             d[k] = d[k] if math.isfinite(d[k]) else None  # strict JSON: never stop early
         return d
@@ -190,7 +196,7 @@ class Calibration:
             d["param"] = SIGNALS[d["rule"]].to_param(d["threshold"])
         if math.isfinite(d["param"]):
             check_param(d["rule"], d["param"], f"{where}: param")
-        for k in ("target", "calibration", "test"):
+        for k in ("target", "calibration", "test", "chosen_by"):
             require(isinstance(d.get(k, {}), dict), f"{where}: {k}", f"must be a JSON object; got {d.get(k)!r}")
         return cls(**d)
 

@@ -288,6 +288,33 @@ def measure_speed(model: Any, inputs: Any, rule_factory: Callable[[], Any], batc
     return best
 
 
+def speeds_side_by_side(jobs: list[tuple[Any, Callable[[], Any]]], inputs: Any, batch_size: int, passes: int,
+                        runner: Callable[..., Any] = run_with_early_exit, skip: set[int] | None = None,
+                        log: Callable[[str], None] | None = None) -> list[float | None]:
+    """Samples per second of each ``(model, rule_factory)`` job on ``inputs`` in batches of ``batch_size``, measured
+    side by side: ``passes`` round-robin passes over the jobs, the best per job, so that a drift in the machine's
+    load hits every job alike. Only the first pass warms up (and compiles or exports, for such a ``runner``).
+
+    A job the backend cannot run (:class:`BackendError`) gets None, is added to ``skip`` (jobs listed there are not
+    run: share one set across batch sizes) and is reported through ``log``.
+    """
+    skip = set() if skip is None else skip
+    best: list[float | None] = [None] * len(jobs)
+    for round_ in range(passes):
+        for i, (model, factory) in enumerate(jobs):
+            if i in skip:
+                continue
+            try:
+                v = measure_speed(model, inputs, factory, batch_size, repeats=1, runner=runner, warmup=round_ == 0)
+            except BackendError as e:
+                skip.add(i)
+                if log is not None:
+                    log(f"{e}; that job has no speed on this backend")
+                continue
+            best[i] = max(best[i] or 0.0, v)
+    return [None if i in skip else b for i, b in enumerate(best)]
+
+
 def measure_exit_costs(model: Any, inputs: Any, repeats: int = 5) -> list[float]:
     """Cumulative wall-clock seconds of exiting at steps 1..T, on this machine, for the batch ``inputs``.
 

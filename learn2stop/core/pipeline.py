@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +29,9 @@ from ..utils.distributed import DistContext
 from ..utils.report import write_json, write_text_atomic
 from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rule, policy_rules, calibrate_budget, calibrate_match, calibrate_risk,
                           CalibrationTarget, load_calibration, save_calibration)
-from .evaluation import (BackendError, Metric, Trace, budget_curve, collect_trace, extend_below, fastest_at_quality, fixed_depth_curve, frontier_markdown, frontier_plot,
-                         SPEED_KEYS, frontier_summary, frontier_time_plot, measure_speed, oracle_curve, speed_at_quality,
-                         sweep_curve, _point)
+from .evaluation import (Metric, Trace, budget_curve, collect_trace, extend_below, fastest_at_quality, fixed_depth_curve, frontier_markdown, frontier_plot,
+                         SPEED_KEYS, frontier_summary, frontier_time_plot, oracle_curve, speed_at_quality,
+                         speeds_side_by_side, sweep_curve, _point)
 from .loop import run_with_early_exit
 from .model import StoppingModel
 from .trees import tree_cat, tree_leaves, tree_map, tree_select
@@ -307,8 +308,8 @@ CLASS_RULES = ("confidence", "entropy", "patience")
 
 
 def task_rules(app: StoppingApp, cfg: Any) -> list[str]:
-    """The stop rules of a task: the policy's (quantile, threshold) and its classical signals."""
-    return [*POLICY_RULES, *app.classical_signals(cfg)]
+    """The stop rules of a task: the policy's (quantile, threshold, price), its classical signals, and a fixed depth."""
+    return [*POLICY_RULES, *app.classical_signals(cfg), "fixed"]
 
 
 def check_rule(app: StoppingApp, cfg: Any, rule: Any, field: str, task: str = "") -> None:
@@ -352,46 +353,103 @@ def stop_model_trace(app: StoppingApp, cfg, sm: StoppingModel, split: str, devic
     if sm.policy is not None:
         signals.update({r: (lambda r=r: make_signal(r, sm.policy)) for r in policy_rules(sm.policy)})
     if with_classical:
-        signals.update(app.classical_signals(cfg))
+        signals.update({**app.classical_signals(cfg), "fixed": lambda: make_signal("fixed")})
     return collect_trace(sm.model, app.eval_batches(cfg, split, device), app.metric(cfg), device, signals=signals,
                          extras=app.trace_extras(cfg))
 
 
 # ----------------------------------------------------------------------------- commands
 def calibrate_command(app: StoppingApp, cfg: Any, run: Run, target: CalibrationTarget, *,
-                      rule: str | None = None) -> Calibration:
-    """Calibrate a rule (default ``inference.rule``) on the validation split for ``target``; save and report it."""
+                      rule: str | None = None, fastest: bool = False, speed_batch: int | None = None) -> Calibration:
+    """Calibrate a rule (default ``inference.rule``) on the validation split for ``target``; save and report it.
+
+    ``fastest``: calibrate every rule of the task (the policy's, the classical ones, a fixed depth) for the same
+    target, time each calibrated rule side by side at batch ``speed_batch`` (default the task's speed batch) on
+    this machine, and save the fastest: the rule a user deploys when what stopping must buy is time. Each
+    candidate's speed and test result are kept in the saved calibration's ``target["chosen_by"]``.
+    """
     if not isinstance(target, CalibrationTarget):
         raise TypeError(f"target: expected a CalibrationTarget(budget=...) or CalibrationTarget(epsilon=..., delta=...); "
                         f"got {type(target).__name__}")
-    rule = rule or app.inference(cfg).rule
-    check_rule(app, cfg, rule, "--rule")
+    if fastest and rule is not None:
+        raise ConfigError("--rule: --fastest tries every rule of the task and keeps the fastest; give one or the other")
+    if speed_batch is not None and (isinstance(speed_batch, bool) or not isinstance(speed_batch, int) or speed_batch < 1):
+        raise ConfigError(f"--speed-batch: the batch size timed must be an integer >= 1; got {speed_batch!r}")
+    if speed_batch is not None and not fastest:
+        raise ConfigError("--speed-batch: only calibrate --fastest times rules; add --fastest or drop it")
     _require_trained(run.run_dir, app.stop_stage, "calibrate")
     sm = load_stage(app, cfg, run.run_dir, app.stop_stage, run.device)
-    if SIGNALS[rule].needs_policy and sm.policy is None:
-        raise ConfigError(f"--rule: the {rule!r} rule needs a policy; stage {app.stop_stage!r} has none")
-    check_policy_rule(rule, sm, "--rule")
+    if fastest:
+        rules = [*(policy_rules(sm.policy) if sm.policy is not None else ()), *app.classical_signals(cfg), "fixed"]
+    else:
+        rules = [rule or app.inference(cfg).rule]
+        check_rule(app, cfg, rules[0], "--rule")
+        if SIGNALS[rules[0]].needs_policy and sm.policy is None:
+            raise ConfigError(f"--rule: the {rules[0]!r} rule needs a policy; stage {app.stop_stage!r} has none")
+        check_policy_rule(rules[0], sm, "--rule")
     val = stop_model_trace(app, cfg, sm, "val", run.device)
     test = stop_model_trace(app, cfg, sm, "test", run.device)
-    signal = make_signal(rule, sm.policy) if SIGNALS[rule].needs_policy else app.classical_signals(cfg)[rule]()
     metric = app.metric(cfg)
-    if target.budget is not None:
-        costs = val.costs if app.budget_by == "cost" else torch.arange(1, val.num_steps + 1) / val.num_steps
-        cal = calibrate_budget(val.signals[rule], costs, target.budget, rule, signal.to_param)
-    else:
-        losses, rng = app.risk_losses(cfg, val)
-        cal = calibrate_risk(val.signals[rule], losses, target.epsilon, target.risk_level, rule, costs=val.costs, loss_range=rng,
-                             to_param=signal.to_param)
-    stops = first_crossing(test.signals[rule], cal.threshold)
     test_losses, _ = app.risk_losses(cfg, test)
-    cal.test = {"metric": metric(test.at(stops), test.extras), "full_depth_metric": metric(test.metric[:, -1], test.extras),
-                "mean_steps": float(stops.float().mean()), "mean_cost": float(test.costs[stops - 1].mean()),
-                "risk": float(test_losses.gather(1, (stops - 1)[:, None]).mean()), "samples": int(stops.numel())}
-    cal.calibration["metric"] = metric(val.at(first_crossing(val.signals[rule], cal.threshold)), val.extras)
+    signals = {r: make_signal(r, sm.policy) if SIGNALS[r].needs_policy else
+               app.classical_signals(cfg).get(r, lambda r=r: make_signal(r))() for r in rules}
+    cals = {}
+    for r in rules:
+        # a fixed depth reads no earlier exit: its cost is the model's fixed-depth cost (FLOPs of an early-exit net)
+        val_costs, test_costs = ((val.fixed_depth_costs, test.fixed_depth_costs) if r == "fixed" else
+                                 (val.costs, test.costs))
+        if target.budget is not None:
+            costs = val_costs if app.budget_by == "cost" else torch.arange(1, val.num_steps + 1) / val.num_steps
+            cal = calibrate_budget(val.signals[r], costs, target.budget, r, signals[r].to_param)
+        else:
+            losses, rng = app.risk_losses(cfg, val)
+            cal = calibrate_risk(val.signals[r], losses, target.epsilon, target.risk_level, r, costs=val_costs,
+                                 loss_range=rng, to_param=signals[r].to_param)
+        stops = first_crossing(test.signals[r], cal.threshold)
+        cal.test = {"metric": metric(test.at(stops), test.extras),
+                    "full_depth_metric": metric(test.metric[:, -1], test.extras),
+                    "mean_steps": float(stops.float().mean()), "mean_cost": float(test_costs[stops - 1].mean()),
+                    "risk": float(test_losses.gather(1, (stops - 1)[:, None]).mean()), "samples": int(stops.numel())}
+        cal.calibration["metric"] = metric(val.at(first_crossing(val.signals[r], cal.threshold)), val.extras)
+        cals[r] = cal
+    if fastest:
+        cal = _fastest_calibration(app, cfg, run, sm, cals, speed_batch)
+    else:
+        cal = cals[rules[0]]
     if run.ctx.is_main:
         save_calibration(cal, run.run_dir)
-    run.log(f"calibrated {rule} rule: {signal.param_name} = {cal.param:.4g} for {cal.target}\n"
+    run.log(f"calibrated {cal.rule} rule: {signals[cal.rule].param_name} = {cal.param:.4g} for {cal.target}\n"
             f"  validation: {cal.calibration}\n  test: {cal.test}\n  saved to {Path(run.run_dir) / 'calibration.json'}")
+    return cal
+
+
+def _fastest_calibration(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, cals: dict[str, Calibration],
+                         speed_batch: int | None) -> Calibration:
+    """The calibrated rule that runs fastest at batch ``speed_batch``, timed side by side (round-robin passes, the
+    best per rule) on the task's speed inputs with the run's first backend; the others' speeds recorded with it."""
+    inputs = shuffled(app.speed_inputs(cfg, run.device))
+    n_in = tree_leaves(inputs)[0].shape[0]
+    size = min(speed_batch or app.speed_batch, n_in)
+    count = min(app.speed_samples, n_in) if size == 1 else size * max(1, min(n_in // size, app.speed_batches))
+    data = tree_map(lambda x: x[:count], inputs)
+    bname, runner = next(iter((getattr(run, "runners", None) or {"torch": run_with_early_exit}).items()))
+    order = list(cals)
+    speeds = speeds_side_by_side([(sm.model, (lambda c=cals[r]: c.make_rule(sm.policy))) for r in order], data, size,
+                                 app.speed_passes, runner, log=lambda m: run.log(f"calibrate --fastest ({bname}): {m}"))
+    timed = {r: v for r, v in zip(order, speeds) if v is not None}
+    if not timed:
+        raise ConfigError(f"calibrate --fastest: the {bname} backend runs none of the calibrated rules")
+    best = max(timed, key=timed.get)
+    cal = cals[best]
+    cal.target = {**cal.target, "fastest_at_batch": size}
+    cal.chosen_by = {"batch_size": size, "backend": bname, "device": str(run.device or "cpu"),
+                     "passes": app.speed_passes, "samples_per_s": timed,
+                     "candidates": {r: {"param": c.param if math.isfinite(c.param) else None, "test": c.test}
+                                    for r, c in cals.items()}}
+    rows = "\n".join(f"  {r:<11} {f'{timed[r]:,.0f}' if r in timed else '-':>12} samples/s   test {c.test['metric']:.4g} "
+                     f"at {c.test['mean_steps']:.2f} steps" + ("   <- fastest" if r == best else "") for r, c in cals.items())
+    run.log(f"calibrate --fastest: every rule calibrated for the same target, timed at batch {size} ({bname}, "
+            f"{app.speed_passes} passes, the best each):\n{rows}")
     return cal
 
 
@@ -524,23 +582,15 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
         if sm.policy is not None:  # the policy's own cost: its main rule asked as at inference, never stopping early
             jobs.append((asked, lambda: SignalRule.never_stopping(make_signal(main, sm.policy)), sm.model))
         jobs += [(p, how[name][0](p), how[name][1]) for name, pts in curves.items() if name in how for p in pts]
-        # Round-robin passes, the best per point: a drift in the machine's load hits every point alike.
-        # Only the first pass warms up (and compiles or exports, for such a backend): later ones are warm.
         for bname, runner in runners.items():
             unsupported: set[int] = set()
             for key, data, size in (("samples_per_s_batch1", one, 1), ("samples_per_s_batchN", big, bn)):
-                for round_ in range(app.speed_passes):
-                    for i, (point, factory, model) in enumerate(jobs):
-                        if i in unsupported:
-                            continue
-                        try:
-                            v = measure_speed(model, data, factory, size, repeats=1, runner=runner, warmup=round_ == 0)
-                        except BackendError as e:
-                            unsupported.add(i)
-                            run.log(f"frontier: {e}; that point has no {bname} speed")
-                            continue
-                        got = point.setdefault("speeds", {}).setdefault(bname, {})
-                        got[key] = max(got.get(key, 0.0), v)
+                got = speeds_side_by_side([(model, factory) for _, factory, model in jobs], data, size,
+                                          app.speed_passes, runner, skip=unsupported,
+                                          log=lambda m, b=bname: run.log(f"frontier ({b}): {m}"))
+                for (point, _, _), v in zip(jobs, got):
+                    if v is not None:
+                        point.setdefault("speeds", {}).setdefault(bname, {})[key] = v
         first = next(iter(runners))
         for point, _, _ in jobs:
             point.update(point.get("speeds", {}).get(first, {}))

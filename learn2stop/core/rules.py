@@ -305,8 +305,28 @@ class PatienceSignal(_Stateful, _Keyed):
         return run
 
 
+class DepthSignal(_Keyed):
+    """A fixed depth as a signal: the score at step t is t, so threshold d stops every sample at step d.
+
+    What lets a calibrator choose a fixed depth on held-out data like any other rule (the shallowest depth
+    certified to keep a quality, the deepest within a budget), and ``calibrate --fastest`` weigh it against the
+    adaptive rules in time. Online it runs as the :class:`FixedDepth` it equals (:func:`threshold_rule`): asked
+    once, read out at that depth alone. The parameter is the depth; it reads no output (``key`` is ignored).
+    """
+
+    name, param_name = "fixed", "depth"
+
+    @staticmethod
+    def depth(threshold: float) -> int | None:
+        """The depth a threshold stops at: the first step t >= threshold (None: +inf, never stops early)."""
+        return None if threshold == math.inf else max(1, math.ceil(threshold))
+
+    def __call__(self, view: StepView) -> Tensor:
+        return torch.full((view.index.numel(),), float(view.t), device=view.index.device)
+
+
 SIGNALS: dict[str, type] = {c.name: c for c in (PolicySignal, QuantileSignal, PriceSignal, ToleranceSignal,
-                                                ConfidenceSignal, EntropySignal, PatienceSignal)}
+                                                ConfidenceSignal, EntropySignal, PatienceSignal, DepthSignal)}
 #: policy rules that need a planning policy (the whole q_phi at once).
 PLANNING_RULES = ("price",)
 
@@ -388,6 +408,16 @@ class FixedDepth:
     def __call__(self, view: StepView) -> Tensor:
         stop = self.depth is not None and view.t >= self.depth
         return torch.full((view.index.numel(),), stop, dtype=torch.bool, device=view.index.device)
+
+
+def threshold_rule(signal: StopSignal, threshold: float):
+    """The online rule of a signal at a threshold: a :class:`SignalRule`, or for the depth signal the
+    :class:`FixedDepth` it equals (asked once, with no per-step readout; a calibrated fixed depth runs as one)."""
+    if isinstance(signal, DepthSignal):
+        if not isinstance(threshold, (int, float)) or math.isnan(threshold):
+            raise ValueError(f"threshold must be a number; got {threshold!r}")
+        return FixedDepth(signal.depth(float(threshold)))
+    return SignalRule(signal, threshold)
 
 
 def reads_at_stop_alone(rule: Any, num_steps: int) -> bool:

@@ -28,6 +28,7 @@ def run_fingerprint(cfg: Any) -> dict:
 
 #: the command-line options that only some commands read: anywhere else they would be silently ignored
 OPTION_READERS = {"budget": ("calibrate",), "epsilon": ("calibrate",), "delta": ("calibrate",), "rule": ("calibrate",),
+                  "fastest": ("calibrate",), "speed_batch": ("calibrate",),
                   "no_speed": ("frontier",), "backend": ("evaluate", "frontier"), "out": ("export",)}
 
 
@@ -42,6 +43,8 @@ class CommandOptions:
     epsilon: float | None = None
     delta: float | None = None
     rule: str | None = None
+    fastest: bool = False
+    speed_batch: int | None = None
     no_speed: bool = False
     backend: str | None = None  # comma-separated backend names
     out: str | None = None
@@ -268,7 +271,8 @@ def register_task(spec: TaskSpec) -> TaskSpec:
         from ..core.pipeline import calibrate_command, frontier_command
 
         def calibrate(cfg, run):
-            return calibrate_command(spec.app, cfg, run, run.options.target, rule=run.options.rule)
+            return calibrate_command(spec.app, cfg, run, run.options.target, rule=run.options.rule,
+                                     fastest=run.options.fastest, speed_batch=run.options.speed_batch)
 
         def frontier(cfg, run):
             return frontier_command(spec.app, cfg, run, speed=not run.options.no_speed, runners=run.runners)

@@ -1,0 +1,101 @@
+"""A fixed depth as a calibrated rule, and ``calibrate --fastest``: every rule calibrated for one target, the fastest
+kept. What a user deploys when a fixed depth of the stop model beats every adaptive rule in time."""
+import json
+import math
+
+import pytest
+import torch
+
+from learn2stop.core import (Calibration, FixedDepth, InferenceConfig, PolicySignal, SignalRule, StoppingModel, calibrate_budget,
+                             calibrate_risk, first_crossing, run_with_early_exit, signal_trace, unroll)
+from learn2stop.core.rules import DepthSignal, threshold_rule
+from learn2stop.utils.config import ConfigError
+from tests.test_stopping_pays import Pol, Toy
+
+
+@pytest.fixture
+def sm():
+    torch.manual_seed(0)
+    return StoppingModel(Toy(), Pol()).eval()
+
+
+def test_the_depth_signal_stops_every_sample_where_a_fixed_depth_does(sm):
+    y = torch.randn(9, 6, generator=torch.Generator().manual_seed(1))
+    r = unroll(sm.model, y, keep_outputs=True, model_grad=False)
+    trace = signal_trace(DepthSignal(), r.step_outputs, y)
+    assert trace.shape == (9, 6) and (trace == torch.arange(1, 7).float()).all()
+    for d in range(1, 8):
+        assert (first_crossing(trace, float(d)) == d).all()
+        rule = threshold_rule(DepthSignal(), float(d))
+        assert isinstance(rule, FixedDepth) and rule.depth == d  # asked once, read out at the depth alone
+        with torch.no_grad():
+            out = run_with_early_exit(sm.model, y, rule)
+        assert (out.stop_times == d).all()
+        torch.testing.assert_close(out.outputs, r.step_outputs[d - 1])
+    assert threshold_rule(DepthSignal(), math.inf).depth is None  # the calibrators' "never stop early"
+    assert isinstance(threshold_rule(PolicySignal(sm.policy), 0.5), SignalRule)
+    with pytest.raises(ValueError, match="threshold must be a number"):
+        threshold_rule(DepthSignal(), float("nan"))
+
+
+def test_a_fixed_depth_calibrates_like_every_rule():
+    T = 5
+    scores = torch.arange(1, T).float().expand(40, T - 1)
+    costs = torch.arange(1, T + 1) / T
+    cal = calibrate_budget(scores, costs, 0.6, "fixed")
+    assert (cal.rule, cal.param) == ("fixed", 3.0) and cal.calibration["mean_cost"] == pytest.approx(0.6)
+    assert cal.make_rule().depth == 3
+    # risk: the shallowest depth whose loss over full depth is certified within epsilon
+    gen = torch.Generator().manual_seed(0)
+    losses = torch.tensor([0.9, 0.5, 0.05, 0.02, 0.0]) + 0.01 * torch.rand(400, T, generator=gen)
+    cal = calibrate_risk(torch.arange(1, T).float().expand(400, T - 1), losses, 0.15, 0.1, "fixed", costs=costs,
+                         loss_range=(0.0, 1.0))
+    assert cal.param == 3.0 and cal.make_rule().depth == 3
+    back = Calibration.from_dict(json.loads(json.dumps(cal.to_dict())))
+    assert back.make_rule().depth == 3 and "chosen_by" not in cal.to_dict()  # only --fastest records a choice
+    assert InferenceConfig(rule="fixed", param=4).make_rule().depth == 4
+    with pytest.raises(ConfigError, match=r"inference.param: the fixed rule's parameter must be an integer >= 1"):
+        InferenceConfig(rule="fixed", param=2.5)
+
+
+def test_an_exported_fixed_calibration_ends_the_graphs_at_the_depth():
+    from learn2stop.export import _schedule, rule_spec
+
+    spec = rule_spec(Calibration("fixed", 3.0, 3.0, {"kind": "budget", "budget": 0.6}))
+    assert (spec["name"], spec["param"], spec["never_stops_early"]) == ("fixed", 3, False)
+    assert _schedule(spec, None, 7)["last"] == 3
+    full = rule_spec(Calibration("fixed", math.inf, math.inf, {"kind": "budget", "budget": 1.0}))
+    assert full["never_stops_early"] and _schedule(full, None, 7) == {"last": 7, "readout": [7], "policy": [],
+                                                                      "plan": None, "replan": None}
+    assert rule_spec(InferenceConfig(rule="fixed", param=2))["param"] == 2
+
+
+def test_calibrate_fastest_keeps_the_fastest_calibrated_rule(tmp_path, capsys):
+    from learn2stop.cli import main
+    from tests.test_cli import TINY
+
+    tiny = [*TINY, "--run_aevb", "false", "--run_stage3", "false"]
+    run = tmp_path / "run"
+    assert main(["sparse", "train", "--run-dir", str(run), "--no-progress", *tiny]) == 0
+    capsys.readouterr()
+    for bad, message in ((["--fastest", "--rule", "tolerance"], "--rule: --fastest tries every rule"),
+                         (["--speed-batch", "8"], "--speed-batch: only calibrate --fastest"),
+                         (["--fastest", "--speed-batch", "0"], "--speed-batch: the batch size timed must be")):
+        assert main(["sparse", "calibrate", "--run-dir", str(run), "--budget", "0.6", *bad, *tiny]) == 2
+        assert message in capsys.readouterr().err
+    assert not (run / "calibration.json").exists()  # a refused command saves nothing
+    assert main(["sparse", "calibrate", "--run-dir", str(run), "--budget", "0.6", "--fastest", "--speed-batch", "16",
+                 *tiny]) == 0
+    assert "<- fastest" in capsys.readouterr().out
+    cal = json.loads((run / "calibration.json").read_text())
+    chosen = cal["chosen_by"]
+    assert set(chosen["candidates"]) == {"price", "tolerance", "fixed"}  # the quick policy plans twice: price alone
+    assert chosen["batch_size"] == 16 and set(chosen["samples_per_s"]) == set(chosen["candidates"])
+    assert all(v > 0 for v in chosen["samples_per_s"].values())
+    assert cal["rule"] == max(chosen["samples_per_s"], key=chosen["samples_per_s"].get)
+    assert cal["target"] == {"kind": "budget", "budget": 0.6, "fastest_at_batch": 16}
+    for c in chosen["candidates"].values():  # every candidate met the same target, on the calibration data
+        assert c["test"]["mean_steps"] >= 1 and math.isfinite(c["test"]["metric"])
+    assert chosen["candidates"]["fixed"]["param"] == 3.0  # 3 steps of 5: the deepest within 60 %
+    assert main(["sparse", "evaluate", "--run-dir", str(run), "--no-progress", *tiny]) == 0
+    assert f"calibrated {cal['rule']} rule" in capsys.readouterr().out
