@@ -27,6 +27,16 @@ def test_reproduce_end_to_end_writes_tables_figures_and_resumes(tmp_path, capsys
     res = json.loads((run / "results.json").read_text())
     assert set(res["rows"]) >= {"ISTA (T=5)", "FISTA (T=10)", "LISTA (T=5)", "Stage I+II", "AEVB", "Stage I+II+III"}
     assert 1 <= res["depth"]["Stage I+II"]["mean"] <= 5
+    # every rule calibrated to keep LISTA's quality, timed beside LISTA at full depth: does the deployed rule pay?
+    in_time, cal = json.loads((run / "in_time.json").read_text()), json.loads((run / "calibration.json").read_text())
+    rows = {r["rule"]: r for r in in_time["rows"]}
+    assert list(rows) == ["baseline", "price", "tolerance", "fixed"] and in_time["deployed"] == cal["rule"] == "price"
+    assert in_time["batch_sizes"] == [1, 90]  # the speed batch capped at the 90 test problems
+    assert rows["baseline"]["speedup"] == {"1": 1.0, "90": 1.0} and rows["baseline"]["mean_steps"] == 5
+    assert rows["price"]["param"] == pytest.approx(cal["param"])  # the deployed rule, the same threshold
+    for n, rule in in_time["fastest"].items():
+        assert rows[rule]["samples_per_s"][n] == max(r["samples_per_s"][n] for r in rows.values() if r.get("samples_per_s"))
+    assert "## In time" in (run / "in_time.md").read_text() and "## In time" in out
     # a second run resumes: every stage is found finished, nothing retrains
     mtime = (run / "checkpoints" / "stage1.pt").stat().st_mtime
     trained_config = (run / "config.yaml").read_text()

@@ -99,3 +99,20 @@ def test_calibrate_fastest_keeps_the_fastest_calibrated_rule(tmp_path, capsys):
     assert chosen["candidates"]["fixed"]["param"] == 3.0  # 3 steps of 5: the deepest within 60 %
     assert main(["sparse", "evaluate", "--run-dir", str(run), "--no-progress", *tiny]) == 0
     assert f"calibrated {cal['rule']} rule" in capsys.readouterr().out
+
+
+def test_the_in_time_table_lists_a_rule_that_never_reaches_the_quality():
+    from learn2stop.core.pipeline import in_time_markdown
+
+    result = {"metric": "accuracy (%)", "reference": "the network alone at full depth", "calibration": "matched",
+              "deployed": "quantile", "backend": "torch", "device": "cpu", "passes": 3, "batch_sizes": [1, 256],
+              "rows": [{"rule": "baseline", "name": "the network alone at full depth", "metric": 73.2, "mean_steps": 7.0,
+                        "mean_cost": 1.0, "samples_per_s": {1: 100.0, 256: 1000.0}, "speedup": {1: 1.0, 256: 1.0}},
+                       {"rule": "quantile", "name": "quantile (deployed)", "reached": False},
+                       {"rule": "fixed", "name": "fixed, depth 6", "reached": True, "metric": 73.5, "mean_steps": 6.0,
+                        "mean_cost": 0.8, "samples_per_s": {1: 120.0}, "speedup": {1: 1.2}}],
+              "fastest": {"1": "fixed", "256": "baseline"}}
+    text = in_time_markdown(result)
+    assert "| quantile (deployed) | not reached on validation |" in text
+    assert "| fixed, depth 6 | 73.5 | 6.00 | 80.0 | 120 | 1.20× | - | - |" in text
+    assert "batch 1: fixed, depth 6; batch 256: the network alone at full depth" in text

@@ -36,7 +36,7 @@ from .loop import run_with_early_exit
 from .model import StoppingModel
 from .trees import tree_cat, tree_leaves, tree_map, tree_select
 from .objectives import MethodConfig, StageConfig
-from .rules import SIGNALS, FixedDepth, SignalRule, first_crossing, make_signal
+from .rules import SIGNALS, FixedDepth, SignalRule, StopSignal, first_crossing, make_signal
 from .trainer import StagedTrainer, load_finished_stage
 
 
@@ -96,6 +96,9 @@ class StoppingApp:
     speed_passes = 3
     #: other trainings whose classical rules the frontier also draws: {curve prefix: stage name}.
     frontier_also: dict = {}
+    #: ``reproduce`` also calibrates every other rule to the deployed target and times each beside the baseline
+    #: (:func:`deployment_in_time`).
+    deploy_in_time: bool = True
 
     #: most entries of :meth:`cached`.
     cache_size = 8
@@ -358,6 +361,68 @@ def stop_model_trace(app: StoppingApp, cfg, sm: StoppingModel, split: str, devic
                          extras=app.trace_extras(cfg))
 
 
+def rule_signal(app: StoppingApp, cfg: Any, sm: StoppingModel, rule: str) -> StopSignal:
+    """The stop signal of one of the task's rules: a policy rule's on the stop model's policy, a classical one as the
+    task builds it (which part of the output it reads), a fixed depth's."""
+    if SIGNALS[rule].needs_policy:
+        return make_signal(rule, sm.policy)
+    factory = app.classical_signals(cfg).get(rule)
+    return factory() if factory is not None else make_signal(rule)
+
+
+def _calibrate_each(app: StoppingApp, cfg: Any, sm: StoppingModel, val: Trace, test: Trace, rules: list[str],
+                    calibrate: Callable[[str, torch.Tensor, torch.Tensor, Callable], Calibration | None]
+                    ) -> dict[str, Calibration]:
+    """Each rule calibrated on the validation trace by ``calibrate(rule, scores, costs, to_param)`` and scored on the
+    test trace (``Calibration.test``). ``costs`` are the rule's own: a fixed depth reads no earlier exit, so it costs
+    the model's fixed-depth costs (the FLOPs of an early-exit network without the skipped exits). A rule that cannot
+    reach the target (``calibrate`` gives None) is left out."""
+    metric = app.metric(cfg)
+    test_losses, _ = app.risk_losses(cfg, test)
+    out: dict[str, Calibration] = {}
+    for r in rules:
+        val_costs, test_costs = ((val.fixed_depth_costs, test.fixed_depth_costs) if r == "fixed" else
+                                 (val.costs, test.costs))
+        cal = calibrate(r, val.signals[r], val_costs, rule_signal(app, cfg, sm, r).to_param)
+        if cal is None:
+            continue
+        stops = first_crossing(test.signals[r], cal.threshold)
+        cal.test = {"metric": metric(test.at(stops), test.extras),
+                    "full_depth_metric": metric(test.metric[:, -1], test.extras),
+                    "mean_steps": float(stops.float().mean()), "mean_cost": float(test_costs[stops - 1].mean()),
+                    "risk": float(test_losses.gather(1, (stops - 1)[:, None]).mean()), "samples": int(stops.numel())}
+        cal.calibration["metric"] = metric(val.at(first_crossing(val.signals[r], cal.threshold)), val.extras)
+        out[r] = cal
+    return out
+
+
+def _speeds(app: StoppingApp, cfg: Any, run: Run, jobs: dict[str, tuple[Any, Callable[[], Any]]],
+            sizes: tuple[int, ...]) -> tuple[dict[str, dict[int, float]], str, dict[int, int]]:
+    """Samples/s of each named ``(model, rule_factory)`` job at each batch size, side by side (round-robin passes,
+    the best each: :func:`speeds_side_by_side`; three times ``app.speed_passes`` at batch 1) on the task's speed inputs, with the run's first backend (eager torch
+    by default). Returns ({name: {size: samples/s}}, backend name, {asked size: size timed}); a size is capped at
+    the number of speed inputs, and a job the backend cannot run has no entry."""
+    inputs = shuffled(app.speed_inputs(cfg, run.device))
+    n_in = tree_leaves(inputs)[0].shape[0]
+    bname, runner = next(iter((getattr(run, "runners", None) or {"torch": run_with_early_exit}).items()))
+    names = list(jobs)
+    out: dict[str, dict[int, float]] = {n: {} for n in names}
+    timed: dict[int, int] = {}
+    skip: set[int] = set()
+    for asked in sizes:
+        size = timed[asked] = min(asked, n_in)
+        count = min(app.speed_samples, n_in) if size == 1 else size * max(1, min(n_in // size, app.speed_batches))
+        data = tree_map(lambda x: x[:count], inputs)
+        # a pass at batch 1 is short (speed_samples requests) and jitters on a shared CPU: three times the passes
+        passes = app.speed_passes * (3 if size == 1 else 1)
+        got = speeds_side_by_side([jobs[n] for n in names], data, size, passes, runner, skip=skip,
+                                  log=lambda m: run.log(f"timing ({bname}): {m}"))
+        for n, v in zip(names, got):
+            if v is not None:
+                out[n][size] = v
+    return {n: v for n, v in out.items() if v}, bname, timed
+
+
 # ----------------------------------------------------------------------------- commands
 def calibrate_command(app: StoppingApp, cfg: Any, run: Run, target: CalibrationTarget, *,
                       rule: str | None = None, fastest: bool = False, speed_batch: int | None = None) -> Calibration:
@@ -389,54 +454,35 @@ def calibrate_command(app: StoppingApp, cfg: Any, run: Run, target: CalibrationT
         check_policy_rule(rules[0], sm, "--rule")
     val = stop_model_trace(app, cfg, sm, "val", run.device)
     test = stop_model_trace(app, cfg, sm, "test", run.device)
-    metric = app.metric(cfg)
-    test_losses, _ = app.risk_losses(cfg, test)
-    signals = {r: make_signal(r, sm.policy) if SIGNALS[r].needs_policy else
-               app.classical_signals(cfg).get(r, lambda r=r: make_signal(r))() for r in rules}
-    cals = {}
-    for r in rules:
-        # a fixed depth reads no earlier exit: its cost is the model's fixed-depth cost (FLOPs of an early-exit net)
-        val_costs, test_costs = ((val.fixed_depth_costs, test.fixed_depth_costs) if r == "fixed" else
-                                 (val.costs, test.costs))
+
+    def calibrate(r: str, scores: torch.Tensor, costs: torch.Tensor, to_param) -> Calibration:
         if target.budget is not None:
-            costs = val_costs if app.budget_by == "cost" else torch.arange(1, val.num_steps + 1) / val.num_steps
-            cal = calibrate_budget(val.signals[r], costs, target.budget, r, signals[r].to_param)
-        else:
-            losses, rng = app.risk_losses(cfg, val)
-            cal = calibrate_risk(val.signals[r], losses, target.epsilon, target.risk_level, r, costs=val_costs,
-                                 loss_range=rng, to_param=signals[r].to_param)
-        stops = first_crossing(test.signals[r], cal.threshold)
-        cal.test = {"metric": metric(test.at(stops), test.extras),
-                    "full_depth_metric": metric(test.metric[:, -1], test.extras),
-                    "mean_steps": float(stops.float().mean()), "mean_cost": float(test_costs[stops - 1].mean()),
-                    "risk": float(test_losses.gather(1, (stops - 1)[:, None]).mean()), "samples": int(stops.numel())}
-        cal.calibration["metric"] = metric(val.at(first_crossing(val.signals[r], cal.threshold)), val.extras)
-        cals[r] = cal
+            by = costs if app.budget_by == "cost" else torch.arange(1, val.num_steps + 1) / val.num_steps
+            return calibrate_budget(scores, by, target.budget, r, to_param)
+        losses, rng = app.risk_losses(cfg, val)
+        return calibrate_risk(scores, losses, target.epsilon, target.risk_level, r, costs=costs, loss_range=rng,
+                              to_param=to_param)
+
+    cals = _calibrate_each(app, cfg, sm, val, test, rules, calibrate)
     if fastest:
         cal = _fastest_calibration(app, cfg, run, sm, cals, speed_batch)
     else:
         cal = cals[rules[0]]
     if run.ctx.is_main:
         save_calibration(cal, run.run_dir)
-    run.log(f"calibrated {cal.rule} rule: {signals[cal.rule].param_name} = {cal.param:.4g} for {cal.target}\n"
+    run.log(f"calibrated {cal.rule} rule: {SIGNALS[cal.rule].param_name} = {cal.param:.4g} for {cal.target}\n"
             f"  validation: {cal.calibration}\n  test: {cal.test}\n  saved to {Path(run.run_dir) / 'calibration.json'}")
     return cal
 
 
 def _fastest_calibration(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, cals: dict[str, Calibration],
                          speed_batch: int | None) -> Calibration:
-    """The calibrated rule that runs fastest at batch ``speed_batch``, timed side by side (round-robin passes, the
-    best per rule) on the task's speed inputs with the run's first backend; the others' speeds recorded with it."""
-    inputs = shuffled(app.speed_inputs(cfg, run.device))
-    n_in = tree_leaves(inputs)[0].shape[0]
-    size = min(speed_batch or app.speed_batch, n_in)
-    count = min(app.speed_samples, n_in) if size == 1 else size * max(1, min(n_in // size, app.speed_batches))
-    data = tree_map(lambda x: x[:count], inputs)
-    bname, runner = next(iter((getattr(run, "runners", None) or {"torch": run_with_early_exit}).items()))
-    order = list(cals)
-    speeds = speeds_side_by_side([(sm.model, (lambda c=cals[r]: c.make_rule(sm.policy))) for r in order], data, size,
-                                 app.speed_passes, runner, log=lambda m: run.log(f"calibrate --fastest ({bname}): {m}"))
-    timed = {r: v for r, v in zip(order, speeds) if v is not None}
+    """The calibrated rule that runs fastest at batch ``speed_batch`` (:func:`_speeds`); the others' speeds and test
+    results recorded with it (``Calibration.chosen_by``)."""
+    speeds, bname, sizes = _speeds(app, cfg, run, {r: (sm.model, lambda c=c: c.make_rule(sm.policy))
+                                                   for r, c in cals.items()}, (speed_batch or app.speed_batch,))
+    size = next(iter(sizes.values()))
+    timed = {r: v[size] for r, v in speeds.items()}
     if not timed:
         raise ConfigError(f"calibrate --fastest: the {bname} backend runs none of the calibrated rules")
     best = max(timed, key=timed.get)
@@ -464,6 +510,11 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
     cheapest threshold that matches the baseline's full depth on validation, empirically, with no guarantee
     (target kind ``match``). None when no threshold reaches it: then the run deploys the baseline at full depth,
     recorded with the reason in ``deployment.json`` (:func:`served_baseline`).
+
+    With ``app.deploy_in_time`` (the default) every other rule of the task (the classical ones, a fixed depth) is
+    calibrated for the same target too, and each is timed side by side with the baseline at full depth, at batch 1
+    and at the task's speed batch: ``in_time.json`` / ``in_time.md`` (:func:`deployment_in_time`), the question a
+    user asks of the deployed rule: is it faster than what they run today, and than a one-line rule?
     """
     if load_calibration(run.run_dir) is not None or not app.baseline_stage:
         return None
@@ -471,33 +522,40 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
     if sm.policy is None:
         return None
     rule = app.policy_rule(cfg)
-    val = stop_model_trace(app, cfg, sm, "val", run.device, with_classical=False)
+    val = stop_model_trace(app, cfg, sm, "val", run.device, with_classical=app.deploy_in_time)
     base = load_stage(app, cfg, run.run_dir, app.baseline_stage, run.device)
     base_val = collect_trace(base.model, app.eval_batches(cfg, "val", run.device), app.metric(cfg), run.device,
                              extras=app.trace_extras(cfg))
     lead = app.quality_lead(cfg, val, base_val)
-    signal = make_signal(rule, sm.policy)
-    costs = val.costs if app.budget_by == "cost" else torch.arange(1, val.num_steps + 1) / val.num_steps
+    metric = app.metric(cfg)
     reference = f"{app.baseline_stage} at full depth"
     if lead > 0:
         losses, rng = app.risk_losses(cfg, val)
-        cal = calibrate_risk(val.signals[rule], losses, lead, delta, rule, costs=costs, loss_range=rng,
-                             to_param=signal.to_param)
         how = f"epsilon = the stop model's lead {lead:.4g}, delta {delta:g}"
     else:  # no lead at full depth, yet an earlier exit may still match the baseline (a better middle exit)
-        metric = app.metric(cfg)
         goal = metric(base_val.metric[:, -1], base_val.extras)
-        cal = calibrate_match(val.signals[rule], costs, lambda stops: metric(val.at(stops), val.extras), metric.better,
-                              goal, rule, to_param=signal.to_param)
-        if cal is None:
-            reason = (f"no threshold of the stop model's {rule} rule reaches {reference} on validation "
-                      f"(full-depth lead {lead:.4g})")
-            if run.ctx.is_main:
-                write_json({"stage": app.baseline_stage, "reason": reason}, Path(run.run_dir) / DEPLOYMENT_FILE)
-            run.log(f"deployed: {app.baseline_label} at full depth, as {reason}; the stop model keeps the configured "
-                    f"{app.inference(cfg).rule} rule")
-            return None
         how = f"no full-depth lead ({lead:.4g}) to certify: the cheapest threshold matching it on validation, no guarantee"
+
+    def calibrate(r: str, scores: torch.Tensor, costs: torch.Tensor, to_param) -> Calibration | None:
+        """One rule calibrated to keep the baseline's full-depth quality: certified at the lead, else matched."""
+        by = costs if app.budget_by == "cost" else torch.arange(1, val.num_steps + 1) / val.num_steps
+        if lead > 0:
+            return calibrate_risk(scores, losses, lead, delta, r, costs=by, loss_range=rng, to_param=to_param)
+        return calibrate_match(scores, by, lambda stops: metric(val.at(stops), val.extras), metric.better, goal, r,
+                               to_param=to_param)
+
+    signal = make_signal(rule, sm.policy)
+    cal = calibrate(rule, val.signals[rule], val.costs, signal.to_param)
+    if app.deploy_in_time:
+        deployment_in_time(app, cfg, run, sm, base, val, calibrate, rule, how)
+    if cal is None:
+        reason = (f"no threshold of the stop model's {rule} rule reaches {reference} on validation "
+                  f"(full-depth lead {lead:.4g})")
+        if run.ctx.is_main:
+            write_json({"stage": app.baseline_stage, "reason": reason}, Path(run.run_dir) / DEPLOYMENT_FILE)
+        run.log(f"deployed: {app.baseline_label} at full depth, as {reason}; the stop model keeps the configured "
+                f"{app.inference(cfg).rule} rule")
+        return None
     cal.target["reference"] = reference
     if run.ctx.is_main:
         save_calibration(cal, run.run_dir)
@@ -505,6 +563,83 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
     run.log(f"deployed rule: {rule} calibrated to keep {app.baseline_stage}'s full-depth quality ({how}): "
             f"{signal.param_name} = {cal.param:.4g}, {100 * cal.calibration['mean_cost']:.1f} % of the cost on validation")
     return cal
+
+
+IN_TIME_FILE = "in_time"
+
+
+def deployment_in_time(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, base: StoppingModel, val: Trace,
+                       calibrate: Callable, deployed: str, how: str) -> dict:
+    """Every rule of the task calibrated on validation to keep the baseline's full-depth quality (``calibrate``, as
+    :func:`deploy_calibration` does for the deployed policy rule), scored on test, and timed side by side with the
+    baseline at full depth at batch 1 and at the task's speed batch. Written as ``in_time.json`` and ``in_time.md``
+    (and logged); a rule that no threshold brings to the baseline's quality on validation is listed as such."""
+    metric = app.metric(cfg)
+    test = stop_model_trace(app, cfg, sm, "test", run.device)
+    base_test = collect_trace(base.model, app.eval_batches(cfg, "test", run.device), metric, run.device,
+                              extras=app.trace_extras(cfg))
+    rules = [deployed, *(r for r in policy_rules(sm.policy) if r != deployed), *app.classical_signals(cfg), "fixed"]
+    cals = _calibrate_each(app, cfg, sm, val, test, rules, calibrate)
+    jobs = {"baseline": (base.model, FixedDepth)}
+    jobs.update({r: (sm.model, lambda c=c: c.make_rule(sm.policy)) for r, c in cals.items()})
+    speeds, bname, sizes = _speeds(app, cfg, run, jobs, (1, app.speed_batch))
+    ref = speeds.get("baseline", {})
+    rows = [{"rule": "baseline", "name": f"{app.baseline_label} at full depth",
+             "metric": metric(base_test.metric[:, -1], base_test.extras), "mean_steps": float(base.num_steps),
+             "mean_cost": 1.0, "samples_per_s": speeds.get("baseline", {})}]
+    for r in rules:
+        c = cals.get(r)
+        if c is None:
+            rows.append({"rule": r, "name": r, "reached": False})
+            continue
+        param = SIGNALS[r].param_name + " " + (f"{c.param:.4g}" if math.isfinite(c.param) else "inf (full depth)")
+        rows.append({"rule": r, "name": f"{r}{' (deployed)' if r == deployed else ''}, {param}", "reached": True,
+                     "param": c.param if math.isfinite(c.param) else None, "metric": c.test["metric"],
+                     "mean_steps": c.test["mean_steps"], "mean_cost": c.test["mean_cost"],
+                     "samples_per_s": speeds.get(r, {})})
+    for row in rows:
+        row["speedup"] = {n: row["samples_per_s"][n] / ref[n] for n in row.get("samples_per_s", {}) if n in ref}
+    fastest = {}
+    for n in sizes.values():
+        got = {row["rule"]: row["samples_per_s"][n] for row in rows if n in row.get("samples_per_s", {})}
+        if got:
+            fastest[n] = max(got, key=got.get)
+    result = {"metric": metric.name, "reference": f"{app.baseline_label} at full depth", "calibration": how,
+              "deployed": deployed, "backend": bname, "device": str(run.device or "cpu"), "passes": app.speed_passes,
+              "batch_sizes": sorted(set(sizes.values())), "rows": rows,
+              "fastest": {str(n): r for n, r in fastest.items()}}
+    text = in_time_markdown(result)
+    if run.ctx.is_main:
+        write_json(result, Path(run.run_dir) / f"{IN_TIME_FILE}.json")
+        write_text_atomic(Path(run.run_dir) / f"{IN_TIME_FILE}.md", text + "\n")
+    run.log(text)
+    return result
+
+
+def in_time_markdown(result: dict) -> str:
+    """The ``in_time.md`` table: each rule at the baseline's quality, its steps and its speed against the baseline."""
+    sizes = result["batch_sizes"]
+    head = (f"## In time: every rule calibrated to keep the quality of {result['reference']}\n\n"
+            f"Calibrated on validation ({result['calibration']}), scored on test; timed side by side in one process "
+            f"({result['backend']}, {result['device']}, {result['passes']} passes, the best each).\n\n"
+            f"| rule | {result['metric']} | mean steps | cost % | "
+            + " | ".join(f"samples/s @{n} | × @{n}" for n in sizes) + " |\n|---|---|---|---|"
+            + "---|---|" * len(sizes))
+    lines = [head]
+    for row in result["rows"]:
+        if row.get("reached") is False:
+            lines.append(f"| {row['name']} | not reached on validation | | |" + " | |" * len(sizes))
+            continue
+        cells = []
+        for n in sizes:
+            v, x = row["samples_per_s"].get(n), row["speedup"].get(n)
+            cells += [f"{v:,.0f}" if v is not None else "-", f"{x:.2f}×" if x is not None else "-"]
+        lines.append(f"| {row['name']} | {row['metric']:.4g} | {row['mean_steps']:.2f} | {100 * row['mean_cost']:.1f} | "
+                     + " | ".join(cells) + " |")
+    names = {row["rule"]: row["name"] for row in result["rows"]}
+    lines.append("\nFastest at the baseline's quality: " + "; ".join(
+        f"batch {n}: {names[r]}" for n, r in result["fastest"].items()) + ". `calibrate --fastest` deploys it.")
+    return "\n".join(lines)
 
 
 def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
