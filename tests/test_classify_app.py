@@ -160,6 +160,11 @@ def test_a_run_no_threshold_of_which_keeps_the_baselines_accuracy_deploys_the_ne
     assert not (run / "calibration.json").exists()
     record = json.loads((run / "deployment.json").read_text())
     assert record["stage"] == "baseline" and "no threshold" in record["reason"]
+    in_time = json.loads((run / "in_time.json").read_text())  # the served network alone, timed beside every rule
+    assert in_time["deployed"] == "baseline" and in_time["rows"][0]["name"].endswith("(deployed)")
+    assert all(r.get("reached") is False for r in in_time["rows"][1:])  # none matched (calibrate_match: None)
+    assert [r["rule"] for r in in_time["rows"][1:]] == ["threshold", "quantile", "confidence", "entropy", "patience",
+                                                        "fixed"]
     assert main(["classify", "evaluate", "--run-dir", str(run), *TINY]) == 0
     res = json.loads((run / "results.json").read_text())
     dep = res["deployed"]

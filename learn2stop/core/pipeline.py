@@ -547,7 +547,7 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
     signal = make_signal(rule, sm.policy)
     cal = calibrate(rule, val.signals[rule], val.costs, signal.to_param)
     if app.deploy_in_time:
-        deployment_in_time(app, cfg, run, sm, base, val, calibrate, rule, how)
+        deployment_in_time(app, cfg, run, sm, base, val, calibrate, rule, cal is not None, how)
     if cal is None:
         reason = (f"no threshold of the stop model's {rule} rule reaches {reference} on validation "
                   f"(full-depth lead {lead:.4g})")
@@ -569,31 +569,36 @@ IN_TIME_FILE = "in_time"
 
 
 def deployment_in_time(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, base: StoppingModel, val: Trace,
-                       calibrate: Callable, deployed: str, how: str) -> dict:
+                       calibrate: Callable, main: str, stop_model_deployed: bool, how: str) -> dict:
     """Every rule of the task calibrated on validation to keep the baseline's full-depth quality (``calibrate``, as
     :func:`deploy_calibration` does for the deployed policy rule), scored on test, and timed side by side with the
     baseline at full depth at batch 1 and at the task's speed batch. Written as ``in_time.json`` and ``in_time.md``
-    (and logged); a rule that no threshold brings to the baseline's quality on validation is listed as such."""
+    (and logged); a rule that no threshold brings to the baseline's quality on validation is listed as such.
+    ``main``: the policy rule :func:`deploy_calibration` calibrated; ``stop_model_deployed``: whether it reached the
+    baseline's quality (else the run serves the baseline, marked deployed)."""
+    deployed = main if stop_model_deployed else "baseline"
     metric = app.metric(cfg)
     test = stop_model_trace(app, cfg, sm, "test", run.device)
     base_test = collect_trace(base.model, app.eval_batches(cfg, "test", run.device), metric, run.device,
                               extras=app.trace_extras(cfg))
-    rules = [deployed, *(r for r in policy_rules(sm.policy) if r != deployed), *app.classical_signals(cfg), "fixed"]
+    rules = [main, *(r for r in policy_rules(sm.policy) if r != main), *app.classical_signals(cfg), "fixed"]
     cals = _calibrate_each(app, cfg, sm, val, test, rules, calibrate)
     jobs = {"baseline": (base.model, FixedDepth)}
     jobs.update({r: (sm.model, lambda c=c: c.make_rule(sm.policy)) for r, c in cals.items()})
     speeds, bname, sizes = _speeds(app, cfg, run, jobs, (1, app.speed_batch))
     ref = speeds.get("baseline", {})
-    rows = [{"rule": "baseline", "name": f"{app.baseline_label} at full depth",
+    rows = [{"rule": "baseline", "name": f"{app.baseline_label} at full depth"
+             + (" (deployed)" if deployed == "baseline" else ""),
              "metric": metric(base_test.metric[:, -1], base_test.extras), "mean_steps": float(base.num_steps),
              "mean_cost": 1.0, "samples_per_s": speeds.get("baseline", {})}]
     for r in rules:
         c = cals.get(r)
+        label = f"{r} (deployed)" if r == deployed else r
         if c is None:
-            rows.append({"rule": r, "name": r, "reached": False})
+            rows.append({"rule": r, "name": label, "reached": False})
             continue
         param = SIGNALS[r].param_name + " " + (f"{c.param:.4g}" if math.isfinite(c.param) else "inf (full depth)")
-        rows.append({"rule": r, "name": f"{r}{' (deployed)' if r == deployed else ''}, {param}", "reached": True,
+        rows.append({"rule": r, "name": f"{label}, {param}", "reached": True,
                      "param": c.param if math.isfinite(c.param) else None, "metric": c.test["metric"],
                      "mean_steps": c.test["mean_steps"], "mean_cost": c.test["mean_cost"],
                      "samples_per_s": speeds.get(r, {})})
@@ -638,7 +643,8 @@ def in_time_markdown(result: dict) -> str:
                      + " | ".join(cells) + " |")
     names = {row["rule"]: row["name"] for row in result["rows"]}
     lines.append("\nFastest at the baseline's quality: " + "; ".join(
-        f"batch {n}: {names[r]}" for n, r in result["fastest"].items()) + ". `calibrate --fastest` deploys it.")
+        f"batch {n}: {names[r]}" for n, r in result["fastest"].items())
+                 + ". `calibrate --epsilon E --fastest --speed-batch N` deploys the stop model's fastest rule at batch N.")
     return "\n".join(lines)
 
 
