@@ -589,7 +589,8 @@ def deployment_in_time(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, 
     ref = speeds.get("baseline", {})
     rows = [{"rule": "baseline", "name": f"{app.baseline_label} at full depth"
              + (" (deployed)" if deployed == "baseline" else ""),
-             "metric": metric(base_test.metric[:, -1], base_test.extras), "mean_steps": float(base.num_steps),
+             # full depth in the stop model's steps (MAML's baseline makes its ten updates as one output)
+             "metric": metric(base_test.metric[:, -1], base_test.extras), "mean_steps": float(test.num_steps),
              "mean_cost": 1.0, "samples_per_s": speeds.get("baseline", {})}]
     for r in rules:
         c = cals.get(r)
