@@ -32,6 +32,7 @@ def test_reproduce_end_to_end_writes_tables_figures_and_resumes(tmp_path, capsys
     rows = {r["rule"]: r for r in in_time["rows"]}
     assert list(rows) == ["baseline", "price", "tolerance", "fixed"] and in_time["deployed"] == cal["rule"] == "price"
     assert in_time["batch_sizes"] == [1, 90]  # the speed batch capped at the 90 test problems
+    assert in_time["passes"] == {"1": 9, "90": 3}  # batch 1 jitters: three times the passes
     assert rows["baseline"]["speedup"] == {"1": 1.0, "90": 1.0} and rows["baseline"]["mean_steps"] == 5
     assert rows["price"]["param"] == pytest.approx(cal["param"])  # the deployed rule, the same threshold
     for n, rule in in_time["fastest"].items():

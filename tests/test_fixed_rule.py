@@ -105,7 +105,8 @@ def test_the_in_time_table_lists_a_rule_that_never_reaches_the_quality():
     from learn2stop.core.pipeline import in_time_markdown
 
     result = {"metric": "accuracy (%)", "reference": "the network alone at full depth", "calibration": "matched",
-              "deployed": "quantile", "backend": "torch", "device": "cpu", "passes": 3, "batch_sizes": [1, 256],
+              "deployed": "quantile", "backend": "torch", "device": "cpu", "passes": {"1": 9, "256": 3},
+              "batch_sizes": [1, 256],
               "rows": [{"rule": "baseline", "name": "the network alone at full depth", "metric": 73.2, "mean_steps": 7.0,
                         "mean_cost": 1.0, "samples_per_s": {1: 100.0, 256: 1000.0}, "speedup": {1: 1.0, 256: 1.0}},
                        {"rule": "quantile", "name": "quantile (deployed)", "reached": False},
@@ -116,3 +117,4 @@ def test_the_in_time_table_lists_a_rule_that_never_reaches_the_quality():
     assert "| quantile (deployed) | not reached on validation |" in text
     assert "| fixed, depth 6 | 73.5 | 6.00 | 80.0 | 120 | 1.20× | - | - |" in text
     assert "batch 1: fixed, depth 6; batch 256: the network alone at full depth" in text
+    assert "9 at batch 1, 3 at batch 256" in text

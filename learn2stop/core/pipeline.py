@@ -396,6 +396,12 @@ def _calibrate_each(app: StoppingApp, cfg: Any, sm: StoppingModel, val: Trace, t
     return out
 
 
+def _passes(app: StoppingApp, size: int) -> int:
+    """Round-robin timing passes at a batch size: a pass at batch 1 is short (``speed_samples`` requests) and jitters
+    on a shared CPU, so it gets three times the task's ``speed_passes``."""
+    return app.speed_passes * (3 if size == 1 else 1)
+
+
 def _speeds(app: StoppingApp, cfg: Any, run: Run, jobs: dict[str, tuple[Any, Callable[[], Any]]],
             sizes: tuple[int, ...]) -> tuple[dict[str, dict[int, float]], str, dict[int, int]]:
     """Samples/s of each named ``(model, rule_factory)`` job at each batch size, side by side (round-robin passes,
@@ -413,9 +419,7 @@ def _speeds(app: StoppingApp, cfg: Any, run: Run, jobs: dict[str, tuple[Any, Cal
         size = timed[asked] = min(asked, n_in)
         count = min(app.speed_samples, n_in) if size == 1 else size * max(1, min(n_in // size, app.speed_batches))
         data = tree_map(lambda x: x[:count], inputs)
-        # a pass at batch 1 is short (speed_samples requests) and jitters on a shared CPU: three times the passes
-        passes = app.speed_passes * (3 if size == 1 else 1)
-        got = speeds_side_by_side([jobs[n] for n in names], data, size, passes, runner, skip=skip,
+        got = speeds_side_by_side([jobs[n] for n in names], data, size, _passes(app, size), runner, skip=skip,
                                   log=lambda m: run.log(f"timing ({bname}): {m}"))
         for n, v in zip(names, got):
             if v is not None:
@@ -489,13 +493,13 @@ def _fastest_calibration(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel
     cal = cals[best]
     cal.target = {**cal.target, "fastest_at_batch": size}
     cal.chosen_by = {"batch_size": size, "backend": bname, "device": str(run.device or "cpu"),
-                     "passes": app.speed_passes, "samples_per_s": timed,
+                     "passes": _passes(app, size), "samples_per_s": timed,
                      "candidates": {r: {"param": c.param if math.isfinite(c.param) else None, "test": c.test}
                                     for r, c in cals.items()}}
     rows = "\n".join(f"  {r:<11} {f'{timed[r]:,.0f}' if r in timed else '-':>12} samples/s   test {c.test['metric']:.4g} "
                      f"at {c.test['mean_steps']:.2f} steps" + ("   <- fastest" if r == best else "") for r, c in cals.items())
     run.log(f"calibrate --fastest: every rule calibrated for the same target, timed at batch {size} ({bname}, "
-            f"{app.speed_passes} passes, the best each):\n{rows}")
+            f"{_passes(app, size)} passes, the best each):\n{rows}")
     return cal
 
 
@@ -611,7 +615,8 @@ def deployment_in_time(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, 
         if got:
             fastest[n] = max(got, key=got.get)
     result = {"metric": metric.name, "reference": f"{app.baseline_label} at full depth", "calibration": how,
-              "deployed": deployed, "backend": bname, "device": str(run.device or "cpu"), "passes": app.speed_passes,
+              "deployed": deployed, "backend": bname, "device": str(run.device or "cpu"),
+              "passes": {str(n): _passes(app, n) for n in sorted(set(sizes.values()))},
               "batch_sizes": sorted(set(sizes.values())), "rows": rows,
               "fastest": {str(n): r for n, r in fastest.items()}}
     text = in_time_markdown(result)
@@ -627,7 +632,8 @@ def in_time_markdown(result: dict) -> str:
     sizes = result["batch_sizes"]
     head = (f"## In time: every rule calibrated to keep the quality of {result['reference']}\n\n"
             f"Calibrated on validation ({result['calibration']}), scored on test; timed side by side in one process "
-            f"({result['backend']}, {result['device']}, {result['passes']} passes, the best each).\n\n"
+            f"({result['backend']}, {result['device']}; round-robin passes, the best each: "
+            + ", ".join(f"{p} at batch {n}" for n, p in result['passes'].items()) + ").\n\n"
             f"| rule | {result['metric']} | mean steps | cost % | "
             + " | ".join(f"samples/s @{n} | × @{n}" for n in sizes) + " |\n|---|---|---|---|"
             + "---|---|" * len(sizes))
