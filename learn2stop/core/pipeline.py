@@ -405,8 +405,8 @@ def _passes(app: StoppingApp, size: int) -> int:
 def _speeds(app: StoppingApp, cfg: Any, run: Run, jobs: dict[str, tuple[Any, Callable[[], Any]]],
             sizes: tuple[int, ...]) -> tuple[dict[str, dict[int, float]], str, dict[int, int]]:
     """Samples/s of each named ``(model, rule_factory)`` job at each batch size, side by side (round-robin passes,
-    the best each: :func:`speeds_side_by_side`; three times ``app.speed_passes`` at batch 1) on the task's speed inputs, with the run's first backend (eager torch
-    by default). Returns ({name: {size: samples/s}}, backend name, {asked size: size timed}); a size is capped at
+    the best each: :func:`speeds_side_by_side`; :func:`_passes` of them) on the task's speed inputs, with the run's
+    first backend (eager torch by default). Returns ({name: {size: samples/s}}, backend name, {asked size: size timed}); a size is capped at
     the number of speed inputs, and a job the backend cannot run has no entry."""
     inputs = shuffled(app.speed_inputs(cfg, run.device))
     n_in = tree_leaves(inputs)[0].shape[0]
@@ -435,7 +435,7 @@ def calibrate_command(app: StoppingApp, cfg: Any, run: Run, target: CalibrationT
     ``fastest``: calibrate every rule of the task (the policy's, the classical ones, a fixed depth) for the same
     target, time each calibrated rule side by side at batch ``speed_batch`` (default the task's speed batch) on
     this machine, and save the fastest: the rule a user deploys when what stopping must buy is time. Each
-    candidate's speed and test result are kept in the saved calibration's ``target["chosen_by"]``.
+    candidate's speed and test result are kept in the saved calibration's ``chosen_by``.
     """
     if not isinstance(target, CalibrationTarget):
         raise TypeError(f"target: expected a CalibrationTarget(budget=...) or CalibrationTarget(epsilon=..., delta=...); "
