@@ -279,6 +279,7 @@ def test_frontier_and_calibrate_run_end_to_end_on_tiny_sparse(tmp_path, capsys):
     assert fr["metric"] == "NMSE (dB)" and fr["lower_is_better"] is True and fr["num_steps"] == 5
     assert {"fixed_depth", "baseline_fixed_depth", "tolerance", "policy", "oracle"} <= set(fr["curves"])
     assert fr["speed_reference"]["name"] == "baseline at full depth"  # the frontier in time
+    assert fr["speed_passes_batch1"] == 3 * fr["speed_passes"]  # batch 1's short passes jitter: three times as many
     assert set(fr["speed_at_quality"]) >= {"fixed_depth", "policy"}
     assert (run / "frontier_time.png").is_file() and "## In time" in (run / "frontier.md").read_text()
     for name in ("fixed_depth", "baseline_fixed_depth", "tolerance", "policy"):

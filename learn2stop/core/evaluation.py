@@ -449,7 +449,8 @@ def frontier_markdown(result: dict, x: str = "mean_steps") -> str:
             f"best gain over fixed depth at equal mean steps: {'-' if gain is None else f'{gain:+.4g}'}"
             + ("" if gain is None else f" (at {100 * s['gain_over_fixed_depth_best_at']:.0f} % of the steps)") + ".\n"
             f"Speeds: samples/s at batch 1 and batch {result['batch_n']}, measured side by side in one process"
-            f" on {result['device']} (best of {result.get('speed_passes', 3)} passes)."
+            f" on {result['device']} (best of {result.get('speed_passes', 3)} passes"
+            + (f", {result['speed_passes_batch1']} at batch 1" if "speed_passes_batch1" in result else "") + ")."
             + ("" if not result.get("policy_overhead") else
                f" The policy's own cost at full depth: +{100 * result['policy_overhead']['batch1']:.0f} % time at batch 1, "
                f"+{100 * result['policy_overhead']['batchN']:.0f} % at batch {result['batch_n']}.")

@@ -734,7 +734,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
             unsupported: set[int] = set()
             for key, data, size in (("samples_per_s_batch1", one, 1), ("samples_per_s_batchN", big, bn)):
                 got = speeds_side_by_side([(model, factory) for _, factory, model in jobs], data, size,
-                                          app.speed_passes, runner, skip=unsupported,
+                                          _passes(app, size), runner, skip=unsupported,
                                           log=lambda m, b=bname: run.log(f"frontier ({b}): {m}"))
                 for (point, _, _), v in zip(jobs, got):
                     if v is not None:
@@ -752,6 +752,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
     result = {"metric": metric.name, "lower_is_better": metric.lower_is_better, "num_steps": T,
               "full_depth": full, "batch_n": bn, "device": str(dev or "cpu"), "backend": next(iter(runners)),
               "test_samples": N, "budget_by": app.budget_by, "curves": curves, "speed_passes": app.speed_passes,
+              "speed_passes_batch1": _passes(app, 1),
               "policy_overhead": overhead}
     if speed:  # the number a user cares about: how much faster at the quality they have today
         ref = ref if ref is not None else full
