@@ -239,6 +239,8 @@ def test_sparse_config_refuses_a_second_plan_it_cannot_make():
     with pytest.raises(ConfigError, match="inference.sampled samples one plan"):
         preset("quick", inference={"sampled": True})
     assert preset("quick", policy={"replan_mass": 0.0}, inference={"rule": "quantile", "param": 0.5})
+    for rule, param in (("tolerance", 0.01), ("fixed", 12)):  # rules that read no policy work beside a second plan
+        assert preset("quick", inference={"rule": rule, "param": param}).inference.rule == rule
 
 
 def test_the_sparse_planners_second_head_reads_the_last_move():
