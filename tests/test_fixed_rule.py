@@ -6,17 +6,11 @@ import math
 import pytest
 import torch
 
-from learn2stop.core import (Calibration, FixedDepth, InferenceConfig, PolicySignal, SignalRule, StoppingModel, calibrate_budget,
+from learn2stop.core import (Calibration, FixedDepth, InferenceConfig, PolicySignal, SignalRule, calibrate_budget,
                              calibrate_risk, first_crossing, run_with_early_exit, signal_trace, unroll)
-from learn2stop.core.rules import DepthSignal, threshold_rule
+from learn2stop.core.rules import DepthSignal
 from learn2stop.utils.config import ConfigError
-from tests.test_stopping_pays import Pol, Toy
-
-
-@pytest.fixture
-def sm():
-    torch.manual_seed(0)
-    return StoppingModel(Toy(), Pol()).eval()
+from tests.test_stopping_pays import sm  # noqa: F401 - the toy stopping model fixture
 
 
 def test_the_depth_signal_stops_every_sample_where_a_fixed_depth_does(sm):
@@ -26,16 +20,16 @@ def test_the_depth_signal_stops_every_sample_where_a_fixed_depth_does(sm):
     assert trace.shape == (9, 6) and (trace == torch.arange(1, 7).float()).all()
     for d in range(1, 8):
         assert (first_crossing(trace, float(d)) == d).all()
-        rule = threshold_rule(DepthSignal(), float(d))
+        rule = DepthSignal().rule(float(d))
         assert isinstance(rule, FixedDepth) and rule.depth == d  # asked once, read out at the depth alone
         with torch.no_grad():
             out = run_with_early_exit(sm.model, y, rule)
         assert (out.stop_times == d).all()
         torch.testing.assert_close(out.outputs, r.step_outputs[d - 1])
-    assert threshold_rule(DepthSignal(), math.inf).depth is None  # the calibrators' "never stop early"
-    assert isinstance(threshold_rule(PolicySignal(sm.policy), 0.5), SignalRule)
+    assert DepthSignal().rule(math.inf).depth is None  # the calibrators' "never stop early"
+    assert isinstance(PolicySignal(sm.policy).rule(0.5), SignalRule)
     with pytest.raises(ValueError, match="threshold must be a number"):
-        threshold_rule(DepthSignal(), float("nan"))
+        DepthSignal().rule(float("nan"))
 
 
 def test_a_fixed_depth_calibrates_like_every_rule():

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..utils.config import ConfigError, one_of, require
 from .loop import Rollout, member
-from .rules import PLANNING_RULES, SIGNALS, PolicyRule, first_crossing, make_signal, sampled_stop_times, threshold_rule
+from .rules import PLANNING_RULES, SIGNALS, PolicyRule, first_crossing, make_signal, sampled_stop_times
 
 POLICY_RULES = ("threshold", "quantile", "price")  # "price" needs a planning policy
 CALIBRATION_FILE = "calibration.json"
@@ -83,7 +83,7 @@ class InferenceConfig:
                 raise ValueError("sampled inference needs a stopping policy, but the model has none")
             return PolicyRule(policy, mode="sample", generator=generator)
         signal = self.signal(policy, key)
-        return threshold_rule(signal, signal.from_param(self.param))
+        return signal.rule(signal.from_param(self.param))
 
     def stop_times(self, rollout: Rollout, generator: torch.Generator | None = None) -> Tensor:
         """Stop times of this rule read off a full rollout's stop logits (policy rules only)."""
@@ -161,7 +161,7 @@ class Calibration:
     chosen_by: dict = field(default_factory=dict)
 
     def make_rule(self, policy=None, key=None):
-        return threshold_rule(make_signal(self.rule, policy, key), self.threshold)
+        return make_signal(self.rule, policy, key).rule(self.threshold)
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -352,11 +352,9 @@ def _require_trained(run_dir: Path, stage: str, command: str) -> None:
 
 def stop_model_trace(app: StoppingApp, cfg, sm: StoppingModel, split: str, device, with_classical: bool = True) -> Trace:
     """The stop model's trace on a split: per-step metrics, both policy rules' scores and classical signals."""
-    signals: dict[str, Callable] = {}
-    if sm.policy is not None:
-        signals.update({r: (lambda r=r: make_signal(r, sm.policy)) for r in policy_rules(sm.policy)})
-    if with_classical:
-        signals.update({**app.classical_signals(cfg), "fixed": lambda: make_signal("fixed")})
+    rules = [*(policy_rules(sm.policy) if sm.policy is not None else ()),
+             *((*app.classical_signals(cfg), "fixed") if with_classical else ())]
+    signals = {r: (lambda r=r: rule_signal(app, cfg, sm, r)) for r in rules}
     return collect_trace(sm.model, app.eval_batches(cfg, split, device), app.metric(cfg), device, signals=signals,
                          extras=app.trace_extras(cfg))
 
@@ -368,6 +366,12 @@ def rule_signal(app: StoppingApp, cfg: Any, sm: StoppingModel, rule: str) -> Sto
         return make_signal(rule, sm.policy)
     factory = app.classical_signals(cfg).get(rule)
     return factory() if factory is not None else make_signal(rule)
+
+
+def _calibration_costs(app: StoppingApp, trace: Trace, costs: torch.Tensor) -> torch.Tensor:
+    """(T,) what a calibration counts a stop at t as: a rule's ``costs`` for a task budgeted by cost (FLOPs, MACs),
+    else the fraction of the steps, t / T."""
+    return costs if app.budget_by == "cost" else torch.arange(1, trace.num_steps + 1) / trace.num_steps
 
 
 def _calibrate_each(app: StoppingApp, cfg: Any, sm: StoppingModel, val: Trace, test: Trace, rules: list[str],
@@ -402,6 +406,14 @@ def _passes(app: StoppingApp, size: int) -> int:
     return app.speed_passes * (3 if size == 1 else 1)
 
 
+def _speed_data(app: StoppingApp, inputs: Any, size: int) -> Any:
+    """The part of the (shuffled) speed inputs timed at a batch size: ``speed_samples`` requests one by one at batch
+    1, else up to ``speed_batches`` full batches. ``size`` is at most the number of inputs."""
+    n_in = tree_leaves(inputs)[0].shape[0]
+    count = min(app.speed_samples, n_in) if size == 1 else size * max(1, min(n_in // size, app.speed_batches))
+    return tree_map(lambda x: x[:count], inputs)
+
+
 def _speeds(app: StoppingApp, cfg: Any, run: Run, jobs: dict[str, tuple[Any, Callable[[], Any]]],
             sizes: tuple[int, ...]) -> tuple[dict[str, dict[int, float]], str, dict[int, int]]:
     """Samples/s of each named ``(model, rule_factory)`` job at each batch size, side by side (round-robin passes,
@@ -417,9 +429,7 @@ def _speeds(app: StoppingApp, cfg: Any, run: Run, jobs: dict[str, tuple[Any, Cal
     skip: set[int] = set()
     for asked in sizes:
         size = timed[asked] = min(asked, n_in)
-        count = min(app.speed_samples, n_in) if size == 1 else size * max(1, min(n_in // size, app.speed_batches))
-        data = tree_map(lambda x: x[:count], inputs)
-        got = speeds_side_by_side([jobs[n] for n in names], data, size, _passes(app, size), runner, skip=skip,
+        got = speeds_side_by_side([jobs[n] for n in names], _speed_data(app, inputs, size), size, _passes(app, size), runner, skip=skip,
                                   log=lambda m: run.log(f"timing ({bname}): {m}"))
         for n, v in zip(names, got):
             if v is not None:
@@ -459,12 +469,13 @@ def calibrate_command(app: StoppingApp, cfg: Any, run: Run, target: CalibrationT
     val = stop_model_trace(app, cfg, sm, "val", run.device)
     test = stop_model_trace(app, cfg, sm, "test", run.device)
 
+    losses, rng = app.risk_losses(cfg, val) if target.budget is None else (None, None)
+
     def calibrate(r: str, scores: torch.Tensor, costs: torch.Tensor, to_param) -> Calibration:
+        by = _calibration_costs(app, val, costs)
         if target.budget is not None:
-            by = costs if app.budget_by == "cost" else torch.arange(1, val.num_steps + 1) / val.num_steps
             return calibrate_budget(scores, by, target.budget, r, to_param)
-        losses, rng = app.risk_losses(cfg, val)
-        return calibrate_risk(scores, losses, target.epsilon, target.risk_level, r, costs=costs, loss_range=rng,
+        return calibrate_risk(scores, losses, target.epsilon, target.risk_level, r, costs=by, loss_range=rng,
                               to_param=to_param)
 
     cals = _calibrate_each(app, cfg, sm, val, test, rules, calibrate)
@@ -542,7 +553,7 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
 
     def calibrate(r: str, scores: torch.Tensor, costs: torch.Tensor, to_param) -> Calibration | None:
         """One rule calibrated to keep the baseline's full-depth quality: certified at the lead, else matched."""
-        by = costs if app.budget_by == "cost" else torch.arange(1, val.num_steps + 1) / val.num_steps
+        by = _calibration_costs(app, val, costs)
         if lead > 0:
             return calibrate_risk(scores, losses, lead, delta, r, costs=by, loss_range=rng, to_param=to_param)
         return calibrate_match(scores, by, lambda stops: metric(val.at(stops), val.extras), metric.better, goal, r,
@@ -723,8 +734,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
         inputs = shuffled(app.speed_inputs(cfg, dev))
         n_in = tree_leaves(inputs)[0].shape[0]
         bn = min(app.speed_batch, n_in)
-        one = tree_map(lambda x: x[:min(app.speed_samples, n_in)], inputs)
-        big = tree_map(lambda x: x[:bn * max(1, min(n_in // bn, app.speed_batches))], inputs)
+        one, big = _speed_data(app, inputs, 1), _speed_data(app, inputs, bn)
         jobs = [(full, lambda: FixedDepth(), sm.model)]
         asked: dict = {}
         if sm.policy is not None:  # the policy's own cost: its main rule asked as at inference, never stopping early

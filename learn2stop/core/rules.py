@@ -58,6 +58,11 @@ class StopSignal:
     def __call__(self, view: StepView) -> Tensor:
         raise NotImplementedError
 
+    def rule(self, threshold: float) -> Any:
+        """The online rule of this signal at a score threshold (:class:`SignalRule`; a signal with a cheaper
+        equivalent rule returns that)."""
+        return SignalRule(self, threshold)
+
 
 class _Stateful(StopSignal):
     """A signal with per-sample memory, indexed by the sample's position in the original batch (or its slot
@@ -310,8 +315,8 @@ class DepthSignal(_Keyed):
 
     What lets a calibrator choose a fixed depth on held-out data like any other rule (the shallowest depth
     certified to keep a quality, the deepest within a budget), and ``calibrate --fastest`` weigh it against the
-    adaptive rules in time. Online it runs as the :class:`FixedDepth` it equals (:func:`threshold_rule`): asked
-    once, read out at that depth alone. The parameter is the depth; it reads no output (``key`` is ignored).
+    adaptive rules in time. Online it runs as the :class:`FixedDepth` it equals (:meth:`rule`): asked once, read
+    out at that depth alone. The parameter is the depth; it reads no output (``key`` is ignored).
     """
 
     name, param_name = "fixed", "depth"
@@ -323,6 +328,11 @@ class DepthSignal(_Keyed):
 
     def __call__(self, view: StepView) -> Tensor:
         return torch.full((view.index.numel(),), float(view.t), device=view.index.device)
+
+    def rule(self, threshold: float) -> "FixedDepth":
+        if not isinstance(threshold, (int, float)) or math.isnan(threshold):
+            raise ValueError(f"threshold must be a number; got {threshold!r}")
+        return FixedDepth(self.depth(float(threshold)))
 
 
 SIGNALS: dict[str, type] = {c.name: c for c in (PolicySignal, QuantileSignal, PriceSignal, ToleranceSignal,
@@ -408,16 +418,6 @@ class FixedDepth:
     def __call__(self, view: StepView) -> Tensor:
         stop = self.depth is not None and view.t >= self.depth
         return torch.full((view.index.numel(),), stop, dtype=torch.bool, device=view.index.device)
-
-
-def threshold_rule(signal: StopSignal, threshold: float):
-    """The online rule of a signal at a threshold: a :class:`SignalRule`, or for the depth signal the
-    :class:`FixedDepth` it equals (asked once, with no per-step readout; a calibrated fixed depth runs as one)."""
-    if isinstance(signal, DepthSignal):
-        if not isinstance(threshold, (int, float)) or math.isnan(threshold):
-            raise ValueError(f"threshold must be a number; got {threshold!r}")
-        return FixedDepth(signal.depth(float(threshold)))
-    return SignalRule(signal, threshold)
 
 
 def reads_at_stop_alone(rule: Any, num_steps: int) -> bool:
