@@ -295,6 +295,12 @@ def test_frontier_and_calibrate_run_end_to_end_on_tiny_sparse(tmp_path, capsys):
     assert len({p["mean_steps"] for p in swept}) >= 2 and all(1 <= p["mean_steps"] <= 5 for p in swept)
     assert all(p["samples_per_s_batch1"] > 0 and "threshold" in p for p in swept)
     assert (run / "frontier.png").is_file() and "| policy |" in (run / "frontier.md").read_text()
+    # the learned rule against each one-line rule at its own cost, with intervals
+    h2h = fr["head_to_head"]
+    assert h2h["policy"] == "price" and len(h2h["rows"]) == len(fr["curves"]["policy"])
+    assert all(set(row["rules"]) == {"tolerance", "fixed"} and all(c["low"] <= c["diff"] <= c["high"]
+               for c in row["rules"].values()) for row in h2h["rows"])
+    assert "## The learned rule against each rule at its cost" in (run / "frontier.md").read_text()
     # evaluate now uses the calibrated rule
     assert main(["sparse", "evaluate", "--run-dir", str(run), "--no-progress", *TINY]) == 0
     assert "calibrated price rule" in capsys.readouterr().out  # the quick preset's rule (inference.rule)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from .calibration import calibrate_budget
+from .calibration import _candidates, calibrate_budget, mean_cost_curve
 from .distributions import exit_costs, fixed_depth_costs
 from .loop import _first, _step, run_with_early_exit, unroll
 from .trees import tree_leaves, tree_map
@@ -243,6 +243,96 @@ def _dedupe(points: list[dict]) -> list[dict]:
     return out
 
 
+# ----------------------------------------------------------------------------- head to head
+def stops_at_cost(scores: Tensor, costs: Tensor, cost: float, generator: torch.Generator | None = None) -> Tensor:
+    """(N,) stop times of a threshold rule spending ``cost`` on these samples (mean of ``costs[stop - 1]``).
+
+    The dearest threshold within the cost, with a seeded random share of the samples moved to the next threshold so
+    that the mean cost meets it: a randomised rule, the frontier's linear interpolation between two thresholds made
+    sample by sample (for a fixed depth, a mix of two depths). Below the rule's cheapest threshold, that threshold.
+    """
+    cand = _candidates(scores)
+    spent = mean_cost_curve(scores, costs, cand)
+    within = (spent <= cost + 1e-6).nonzero().flatten()
+    k = int(within.max()) if within.numel() else 0
+    stops = first_crossing(scores, float(cand[k]))
+    if within.numel() == 0 or k + 1 == cand.numel() or float(spent[k]) >= cost:
+        return stops
+    share = (cost - float(spent[k])) / float(spent[k + 1] - spent[k])
+    moved = torch.randperm(stops.numel(), generator=generator)[:round(share * stops.numel())]
+    stops[moved] = first_crossing(scores, float(cand[k + 1]))[moved]
+    return stops
+
+
+def paired_difference(metric: Metric, a: Tensor, b: Tensor, extras: dict, resamples: Tensor,
+                      level: float = 0.95) -> dict:
+    """How much better per-sample values ``a`` aggregate than ``b`` on the same samples (``Metric.gain``), with a
+    paired bootstrap interval: ``resamples`` (R, N) sample indices drawn with replacement, the same for every pair
+    compared, so the rows of one table share their noise. ``{"diff", "low", "high"}``."""
+    diff = metric.gain(metric(a, extras), metric(b, extras))
+    boot = torch.tensor([metric.gain(metric(a[i], {k: v[i] for k, v in extras.items()}),
+                                     metric(b[i], {k: v[i] for k, v in extras.items()})) for i in resamples])
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=boot.dtype)
+    low, high = torch.quantile(boot, q).tolist()
+    return {"diff": diff, "low": low, "high": high}
+
+
+def head_to_head(trace: Trace, metric: Metric, policy: str, thresholds: list[float], rules: list[str], by: str,
+                 resamples: int = 1000, level: float = 0.95, seed: int = 0) -> dict:
+    """The learned rule against each other rule at the learned rule's own cost, on the same samples.
+
+    For each of the policy's ``thresholds`` (its frontier points), every rule in ``rules`` (signals of ``trace``; a
+    fixed depth, ``"fixed"``, at the model's fixed-depth costs when budgeted by cost) is set on this trace to spend
+    what the policy spends (:func:`stops_at_cost`: its best case, the threshold chosen on the very samples scored),
+    and the difference in the metric gets a paired bootstrap interval (:func:`paired_difference`). An interval that
+    holds 0 says the two rules are not told apart on this many samples. ``by``: ``"steps"`` (t / T) or ``"cost"``.
+    """
+    N, T = trace.metric.shape
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(N, (resamples, N), generator=g)
+    steps = torch.arange(1, T + 1, dtype=torch.float32) / T
+    own = {r: (steps if by != "cost" else trace.fixed_depth_costs if r == "fixed" else trace.costs) for r in rules}
+    rows = []
+    for thr in thresholds:
+        stops = first_crossing(trace.signals[policy], thr)
+        cost = float((steps if by != "cost" else trace.costs)[stops - 1].mean())
+        mine = trace.at(stops)
+        row = {"threshold": thr, "cost": cost, "mean_steps": float(stops.float().mean()),
+               "metric": metric(mine, trace.extras), "rules": {}}
+        for r in rules:
+            other = stops_at_cost(trace.signals[r], own[r], cost, torch.Generator().manual_seed(seed))
+            theirs = trace.at(other)
+            row["rules"][r] = {"metric": metric(theirs, trace.extras), "cost": float(own[r][other - 1].mean()),
+                               **paired_difference(metric, mine, theirs, trace.extras, idx, level)}
+        rows.append(row)
+    return {"policy": policy, "by": by, "resamples": resamples, "level": level, "samples": N, "rows": rows}
+
+
+def head_to_head_markdown(h2h: dict, metric_name: str) -> str:
+    """The head-to-head table: a row per policy point, a column per rule, "diff [low, high]" (positive: the policy
+    better), and a verdict per cell: ahead / behind when the interval excludes 0, else tie."""
+    from ..utils.report import markdown_table
+
+    rules = list(h2h["rows"][0]["rules"]) if h2h["rows"] else []
+    rows = []
+    for row in h2h["rows"]:
+        cells = []
+        for r in rules:
+            c = row["rules"][r]
+            verdict = "ahead" if c["low"] > 0 else "behind" if c["high"] < 0 else "tie"
+            dearer = f" (at {100 * c['cost']:.1f} %)" if abs(c["cost"] - row["cost"]) > 0.005 else ""
+            cells.append(f"{c['diff']:+.3g} [{c['low']:+.3g}, {c['high']:+.3g}] {verdict}{dearer}")
+        rows.append([f"{100 * row['cost']:.1f}", row["metric"], *cells])
+    axis = "FLOPs" if h2h["by"] == "cost" else "steps"
+    return (f"\n\n## The learned rule against each rule at its cost\n\n"
+            f"The policy ({h2h['policy']}) at each of its points, and each rule set on the test samples to spend the "
+            f"same ({axis}; a randomised mix of two thresholds where none spends it exactly): the policy's lead in "
+            f"{metric_name} (positive: the policy better) and its {100 * h2h['level']:.0f} % paired bootstrap interval "
+            f"over the {h2h['samples']} test samples ({h2h['resamples']} resamples). \"tie\": the interval holds 0; "
+            f"\"(at x %)\": the rule cannot spend as little, and is compared where it can.\n\n"
+            + markdown_table([f"{axis} %", f"policy {metric_name}", *rules], rows, digits=4))
+
+
 # ----------------------------------------------------------------------------- speed
 class BackendError(ValueError):
     """A backend (runner) that cannot run this model or rule: the message names which and why."""
@@ -457,6 +547,8 @@ def frontier_markdown(result: dict, x: str = "mean_steps") -> str:
             + "\n\n")
     table = markdown_table(["curve", "budget / param", "mean steps", "cost %", name, "samples/s @1",
                             f"samples/s @{result['batch_n']}"], rows, digits=3)
+    if result.get("head_to_head"):
+        table += head_to_head_markdown(result["head_to_head"], name)
     at = result.get("speed_at_quality")
     if not at:
         return head + table

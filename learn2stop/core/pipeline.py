@@ -29,7 +29,7 @@ from ..utils.distributed import DistContext
 from ..utils.report import write_json, write_text_atomic
 from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rule, policy_rules, calibrate_budget, calibrate_match, calibrate_risk,
                           CalibrationTarget, load_calibration, save_calibration)
-from .evaluation import (Metric, Trace, budget_curve, collect_trace, extend_below, fastest_at_quality, fixed_depth_curve, frontier_markdown, frontier_plot,
+from .evaluation import (Metric, Trace, budget_curve, collect_trace, extend_below, fastest_at_quality, fixed_depth_curve, frontier_markdown, head_to_head, frontier_plot,
                          SPEED_KEYS, frontier_summary, frontier_time_plot, oracle_curve, speed_at_quality,
                          speeds_side_by_side, sweep_curve, _point)
 from .loop import run_with_early_exit
@@ -776,6 +776,10 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
                          for p in pts] for n, pts in curves.items()}
             result.setdefault("speed_at_quality_by_backend", {})[bname] = speed_at_quality(moved, metric, ref)
     result["summary"] = frontier_summary(curves, metric, full, T)
+    if sm.policy is not None and curves["policy"]:  # is the learned rule better than the one-line rules, or noise?
+        others = [r for r in (*app.classical_signals(cfg), "fixed") if r in test.signals]
+        result["head_to_head"] = head_to_head(test, metric, main, [p["threshold"] for p in curves["policy"]], others,
+                                              app.budget_by)
     if app.budget_by == "cost":
         result["summary_by_cost"] = frontier_summary(curves, metric, full, T, x="mean_cost")
     if run.ctx.is_main:
