@@ -3,6 +3,9 @@
     python benchmarks/maml_sinusoid_bound.py --run-dir runs/maml-quick      # a trained sinusoid run (reproduce)
     python benchmarks/maml_sinusoid_bound.py --tiny                         # random weights, 20 tasks (the test)
 
+A run trained with ``--model.policy_posterior true`` adds the rules that read its policy's learned posterior-mean
+estimate: the step nearest to it after all T steps, and early stopping that restores the best step so far.
+
 The MAML-stop table compares the policy with the *oracle step*, which picks each task's step on that task's own 20
 query labels. This script says how much of that a rule that sees no query label could have, on the run's test tasks:
 
@@ -22,6 +25,7 @@ each bound the policy closes.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import torch
@@ -75,6 +79,36 @@ def posterior_mse(model, batches, noise: float, grid: int, x_points: int = 200) 
     return torch.cat(rows)
 
 
+@torch.no_grad()
+def posterior_distance(model, policy, batches) -> torch.Tensor:
+    """(N, T) each step's mean squared distance, on the task's query inputs, to the policy's learned posterior-mean
+    estimate (``model.policy_posterior``): what a rule without the query labels can read."""
+    rows = []
+    for inputs, _ in batches:
+        mean = policy.posterior_mean(inputs)
+        steps = unroll(model, inputs, keep_outputs=True, model_grad=False).step_outputs
+        rows.append(torch.stack([(o["pred"] - mean).pow(2).flatten(1).mean(1) for o in steps], 1))
+    return torch.cat(rows)
+
+
+def keep_best(distance: torch.Tensor, patience: int, margin: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Early stopping that restores the best step: run until the distance has not fallen by ``margin`` (relative)
+    below its best for ``patience`` steps, then answer with the best step so far. ((N,) answered step, (N,) steps run.)"""
+    N, T = distance.shape
+    answered, ran = torch.empty(N, dtype=torch.long), torch.empty(N, dtype=torch.long)
+    for i, row in enumerate(distance.tolist()):
+        best, at, since = math.inf, 1, 0
+        for t, v in enumerate(row, start=1):
+            if v < best * (1 - margin):
+                best, at, since = v, t, 0
+            else:
+                since += 1
+            if since >= patience or t == T:
+                answered[i], ran[i] = at, t
+                break
+    return answered, ran
+
+
 def _at(values: torch.Tensor, times: torch.Tensor) -> float:
     return float(values.gather(1, (times - 1)[:, None]).mean())
 
@@ -98,7 +132,7 @@ def main(argv=None) -> dict:
         ap.error("give --run-dir (a trained sinusoid MAML run) or --tiny")
     torch.set_num_threads(args.threads)
     if args.tiny:
-        cfg = preset("quick", eval={"tasks": 20, "val_tasks": 20, "chunk": 10})
+        cfg = preset("quick", eval={"tasks": 20, "val_tasks": 20, "chunk": 10}, model={"policy_posterior": True})
         sm = APP.build_models(cfg, None)["stop"].eval()
         args.query_points, args.grid = 200, 20
     else:
@@ -128,6 +162,13 @@ def main(argv=None) -> dict:
             "Bayes stop (support only)": row(posterior.argmin(1) + 1),
             "oracle on the 20 query labels (the table's)": row(observed.argmin(1) + 1),
             "oracle on the expected MSE (any rule)": row(expected.argmin(1) + 1)}
+    distance = posterior_distance(sm.model, sm.policy, batches) if getattr(sm.policy, "posterior", None) else None
+    if distance is not None:  # rules on the learned posterior-mean estimate (model.policy_posterior: true)
+        rows["nearest step to the posterior estimate, after all T steps"] = row(distance.argmin(1) + 1)
+        for patience, margin in ((2, 0.05), (3, 0.0)):
+            answered, ran = keep_best(distance, patience, margin)
+            rows[f"best step so far by the posterior estimate, patience {patience}, margin {margin:g} "
+                 f"({float(ran.float().mean()):.2f} steps run)"] = row(answered)
     print(f"{len(expected)} test tasks; sinusoids recovered from their query points (largest residual {worst:.1e}); "
           f"expected MSE on {args.query_points} fresh points each; Bayes grid {args.grid} x {args.grid}\n")
     print(f"| rule | query MSE, the task's 20 points | expected query MSE | mean step |\n|---|---|---|---|")
@@ -146,6 +187,10 @@ def main(argv=None) -> dict:
                   (float(t.float().mean()), _at(expected, t)) for t in
                   ((posterior + p * steps).argmin(1) + 1 for p in torch.logspace(-4, 1, 300))),
               "fixed depth": [(d, float(expected[:, d - 1].mean())) for d in range(1, T + 1)]}
+    if distance is not None:
+        curves["posterior estimate, priced (after all T steps)"] = sorted(
+            (float(t.float().mean()), _at(expected, t)) for t in
+            ((distance + p * steps.float()).argmin(1) + 1 for p in torch.logspace(-4, 1, 300)))
     at = [1.5, 2.0, 2.5, 3.0, 4.0, 5.0]
     print("\nExpected query MSE at equal mean depth (steps):\n\n| curve | " + " | ".join(f"{x:g}" for x in at) + " |\n|---|"
           + "---|" * len(at))

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import shared_data
 
@@ -142,5 +143,19 @@ def test_maml_sinusoid_bound_tiny(capsys):
     table, expected = rows["oracle on the 20 query labels (the table's)"], rows["oracle on the expected MSE (any rule)"]
     for name, (observed_mse, expected_mse, _) in rows.items():
         assert table[0] <= observed_mse + 1e-9 and expected[1] <= expected_mse + 1e-9, name
-    assert set(r["curves"]) == {"policy, quantile", "policy, threshold", "Bayes stop, priced", "fixed depth"}
+    assert set(r["curves"]) == {"policy, quantile", "policy, threshold", "Bayes stop, priced", "fixed depth",
+                                "posterior estimate, priced (after all T steps)"}  # the tiny policy has the estimate
+    assert "nearest step to the posterior estimate, after all T steps" in rows
+    assert sum(k.startswith("best step so far by the posterior estimate") for k in rows) == 2
     assert "Bayes stop (support only)" in capsys.readouterr().out
+
+
+def test_keep_best_answers_with_the_best_step_once_patience_runs_out():
+    keep_best = _load("maml_sinusoid_bound").keep_best
+    distance = torch.tensor([[5.0, 3.0, 4.0, 4.5, 1.0, 2.0],   # 3 at step 2, then two steps worse: stop at 4
+                             [5.0, 4.0, 3.0, 2.0, 1.0, 0.5],   # always better: runs to T, answers T
+                             [1.0, 0.99, 0.98, 2.0, 2.0, 2.0]])  # gains under a 5 % margin do not count
+    answered, ran = keep_best(distance, patience=2, margin=0.0)
+    assert answered.tolist() == [2, 6, 3] and ran.tolist() == [4, 6, 5]
+    answered, ran = keep_best(distance, patience=2, margin=0.05)
+    assert answered.tolist()[2] == 1 and ran.tolist()[2] == 3

@@ -304,7 +304,7 @@ def stage2(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfig, generat
         loss = L.stage2_reverse_kl(r.stop_logits, r.losses, cfg.beta, prior)
     if r.replan_log_q is not None:  # a second plan: fitted to the oracle of the steps it chooses among
         loss = loss + L.stage2_replan_forward_kl(r.replan_log_q, r.losses, cfg.beta, sm.policy.replan_step, prior)
-    return loss, _summary(r.losses, r.stop_logits.detach(), cfg.beta)
+    return _with_auxiliary(sm, inputs, target, loss, _summary(r.losses, r.stop_logits.detach(), cfg.beta))
 
 
 @OBJECTIVES.register("stage3")
@@ -315,10 +315,23 @@ def stage3(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfig, generat
     check_finite_steps("per-step losses", r.losses)
     check_finite_steps("stop logits", r.stop_logits)
     loss = L.beta_vae_loss(r.stop_logits, r.losses, cfg.beta, cfg.model_log_prior(sm.model))
-    return loss, _summary(r.losses.detach(), r.stop_logits.detach(), cfg.beta)
+    return _with_auxiliary(sm, inputs, target, loss, _summary(r.losses.detach(), r.stop_logits.detach(), cfg.beta))
 
 
 OBJECTIVES.register("aevb")(stage3)
+
+
+def _with_auxiliary(sm: StoppingModel, inputs, target, loss: Tensor, metrics: dict) -> tuple[Tensor, dict]:
+    """The loss plus the policy's own auxiliary loss, if it has one (``policy.auxiliary_loss(inputs, target)``: what a
+    part of the policy learns from the targets besides the stop, e.g. MAML's posterior-mean estimate), logged as
+    ``aux_loss``."""
+    aux = getattr(sm.policy, "auxiliary_loss", None)
+    extra = aux(inputs, target) if callable(aux) else None
+    if extra is None:
+        return loss, metrics
+    if not bool(torch.isfinite(extra.detach()).all()):
+        raise NonFiniteError(f"the policy's auxiliary loss is non-finite ({float(extra.detach())})")
+    return loss + extra, {**metrics, "aux_loss": float(extra.detach())}
 
 
 def _need_policy(sm: StoppingModel) -> None:

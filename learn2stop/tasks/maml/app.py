@@ -84,6 +84,8 @@ class MAMLConfig:
         require(self.stage2.objective in ("stage2", "stage3"), "stage2.objective",
                 f"must be stage2 (or stage3 to fine-tune both); got {self.stage2.objective!r}")
         require(self.model.inner_steps >= 2, "model.inner_steps", "a stopping policy needs T >= 2 steps")
+        require(not self.model.policy_posterior or self.data.source == "sinusoid", "model.policy_posterior",
+                f"the posterior-mean estimate is for regression (sinusoid) tasks; {self.data.source!r} is classification")
         want = "mlp" if self.data.source == "sinusoid" else "conv4"
         require(self.model.network == want, "model.network", f"{self.data.source} data needs the {want} network; "
                 f"got {self.model.network!r}")

@@ -25,7 +25,7 @@ from torch.func import grad, vmap
 from ...core.model import StoppingModel
 from ...core.trees import tree_leaves, tree_map
 from ...core.trainer import derive_seed
-from ...utils.config import ints_at_least, non_negative, one_of, positive
+from ...utils.config import ints_at_least, non_negative, one_of, positive, require
 from ...utils.registry import Registry
 from .losses import masked_mean, per_example_loss, query_loss, query_metric
 from .policy import MAMLStopPolicy
@@ -272,6 +272,10 @@ class ModelConfig:
 
     inner_grad_clip: bound on each task's inner gradient norm (see :class:`MAMLModel`); it keeps the
     late inner steps from diverging when Stage I rarely trains them. 0 is the paper's unbounded step.
+    policy_posterior: the stopping policy also reads each step's distance to a learned posterior-mean estimate of
+    the query targets (:class:`~learn2stop.tasks.maml.policy.PosteriorPredictive`; regression only). Off by default:
+    on the quick preset the per-step policy did not gain from it (docs/maml.md), while rules that read the distance
+    over several steps do (``benchmarks/maml_sinusoid_bound.py``).
     """
 
     network: str = "conv4"
@@ -280,9 +284,11 @@ class ModelConfig:
     inner_lr: float = 0.1
     first_order: bool = False
     inner_grad_clip: float = INNER_GRAD_CLIP
+    policy_posterior: bool = False
 
     def __post_init__(self):
         one_of(self.network, NETWORKS.names(), "network")
+        require(isinstance(self.policy_posterior, bool), "policy_posterior", f"must be true or false; got {self.policy_posterior!r}")
         ints_at_least(self, "hidden", "inner_steps")
         positive(self.inner_lr, "inner_lr")
         non_negative(self.inner_grad_clip, "inner_grad_clip")
@@ -301,6 +307,11 @@ def loss_kind(cfg) -> str:
     return "mse" if cfg.data.source == "sinusoid" else "cross_entropy"
 
 
+def uses_posterior(cfg) -> bool:
+    """Whether the stopping policy reads the posterior-mean estimate (``model.policy_posterior``, regression only)."""
+    return bool(cfg.model.policy_posterior) and loss_kind(cfg) == "mse"
+
+
 def build(cfg, device, *, seed_offset: str = "") -> tuple[StoppingModel, StoppingModel]:
     """The two models, same initialisation: MAML (one output after T updates) and MAML-stop (T outputs + policy).
 
@@ -312,7 +323,8 @@ def build(cfg, device, *, seed_offset: str = "") -> tuple[StoppingModel, Stoppin
         net = make_network(cfg)
         net_stop = make_network(cfg)
         net_stop.load_state_dict(net.state_dict())
-        policy = MAMLStopPolicy(net_stop.feat_dim, 1 if loss == "mse" else cfg.data.n_way, T, classification=loss != "mse")
+        policy = MAMLStopPolicy(net_stop.feat_dim, 1 if loss == "mse" else cfg.data.n_way, T, classification=loss != "mse",
+                                posterior=uses_posterior(cfg), in_dim=1 if loss == "mse" else None)
     clip = m.inner_grad_clip
     maml = StoppingModel(MAMLModel(net, 1, m.inner_lr, m.first_order, loss, updates_per_step=T, inner_grad_clip=clip))
     stop = StoppingModel(MAMLModel(net_stop, T, m.inner_lr, m.first_order, loss, policy_features=True,

@@ -22,6 +22,41 @@ class DeepSet(nn.Module):
         return self.rho(h.sum(dim=1) / mask.sum(dim=1, keepdim=True).clamp_min(1))
 
 
+class PosteriorPredictive(nn.Module):
+    """The mean of a task's query targets given its support: an attentive neural process on the raw inputs.
+
+    Each support pair (x, y) is encoded; a query x reads the mean of the encodings and an attention over them (keys
+    from the support x), with the log of the shot count, and a decoder gives its predicted target. Trained by
+    regression on the query targets (:meth:`MAMLStopPolicy.auxiliary_loss`), it estimates E[y | x, support] under
+    the task family: the Bayes stop is the step whose function is closest to it (the posterior variance is the same
+    for every step), so the policy reads each step's squared distance to it.
+    """
+
+    def __init__(self, in_dim: int, out_dim: int, dim: int = 128, key_dim: int = 64):
+        super().__init__()
+        self.encode = nn.Sequential(nn.Linear(in_dim + out_dim, dim), nn.ReLU(), nn.Linear(dim, dim), nn.ReLU(),
+                                    nn.Linear(dim, dim))
+        self.key = nn.Sequential(nn.Linear(in_dim, key_dim), nn.ReLU(), nn.Linear(key_dim, key_dim))
+        self.query = nn.Sequential(nn.Linear(in_dim, key_dim), nn.ReLU(), nn.Linear(key_dim, key_dim))
+        self.decode = nn.Sequential(nn.Linear(key_dim + 2 * dim + 1, dim), nn.ReLU(), nn.Linear(dim, dim), nn.ReLU(),
+                                    nn.Linear(dim, out_dim))
+        self.scale = key_dim ** -0.5
+
+    def forward(self, support_x: Tensor, support_y: Tensor, mask: Tensor, query_x: Tensor) -> Tensor:
+        """support_x (B, S, *x), support_y (B, S, out), mask (B, S), query_x (B, Q, *x) -> (B, Q, out)."""
+        sx, qx = support_x.flatten(2), query_x.flatten(2)
+        h = self.encode(torch.cat([sx, support_y], dim=-1))  # (B, S, dim)
+        m = mask[..., None]
+        shots = m.sum(dim=1).clamp_min(1)  # (B, 1)
+        mean = (h * m).sum(dim=1) / shots  # (B, dim)
+        q = self.query(qx)  # (B, Q, key_dim)
+        att = (q @ self.key(sx).transpose(1, 2)) * self.scale  # (B, Q, S)
+        att = att.masked_fill(mask[:, None, :] == 0, float("-inf")).softmax(dim=-1)
+        Q = qx.shape[1]
+        z = torch.cat([q, mean[:, None].expand(-1, Q, -1), att @ h, torch.log(shots)[:, None].expand(-1, Q, -1)], dim=-1)
+        return self.decode(z)
+
+
 class MAMLStopPolicy(nn.Module):
     """Stop logit of task b at step t (paper App. B.2, release's design plus the shot count).
 
@@ -34,7 +69,11 @@ class MAMLStopPolicy(nn.Module):
         bad); ``"separate"`` (the release's, and this library's until 2026-11-28): the query features alone and
         the residuals alone, each element without its features. The target and prediction are one-hot and softmax
         vectors (classification) or values (regression); the residual is prediction - target.
-    -> Linear(3 * dim + 3, 128) -> ELU -> Linear(128, 1).
+      - with ``posterior`` (regression): log of the mean squared distance of the step's query predictions to a
+        learned estimate of the query targets' mean given the support (:class:`PosteriorPredictive`), computed once
+        per rollout from the inputs alone (again only when the batch itself changes) and trained by its own
+        regression loss in Stage II (:meth:`auxiliary_loss`); the stop decision does not train it.
+    -> Linear(3 * dim + 3 (+1), 128) -> ELU -> Linear(128, 1).
 
     Why joint: on the quick sinusoid preset, at 3 inner steps, the joint policy's quantile rule reaches 1.545 expected
     query MSE where the separate one reached 1.594, a fixed depth 1.687, and a stop that knows the task family (the
@@ -45,21 +84,51 @@ class MAMLStopPolicy(nn.Module):
         feat_dim: the learner's feature size D. out_dim: its output size (N classes, or 1).
         num_steps: T. classification: residual as softmax - onehot, else prediction - target.
         inputs: ``"joint"`` or ``"separate"`` (above); a checkpoint loads as the one it was trained as.
+        posterior: read the distance to the posterior-mean estimate (regression only; ``in_dim``: the size of an
+            input x). Runs made before it have ``model.policy_posterior: off`` (``MAMLConfig.earlier_values``).
     """
 
     INPUTS = ("joint", "separate")
 
     def __init__(self, feat_dim: int, out_dim: int, num_steps: int, classification: bool = True, dim: int = 64,
-                 hidden: int = 128, inputs: str = "joint"):
+                 hidden: int = 128, inputs: str = "joint", posterior: bool = False, in_dim: int | None = None):
         super().__init__()
         if inputs not in self.INPUTS:
             raise ValueError(f"inputs must be one of {', '.join(self.INPUTS)}; got {inputs!r}")
+        if posterior and (classification or not in_dim):
+            raise ValueError("posterior: the distance to a posterior-mean estimate is for regression tasks and needs "
+                             f"in_dim, the size of an input x; got classification={classification}, in_dim={in_dim!r}")
         self.num_steps, self.out_dim, self.classification = num_steps, out_dim, classification
-        self.feat_dim, self.dim = feat_dim, dim
+        self.feat_dim, self.dim, self.hidden, self.in_dim = feat_dim, dim, hidden, in_dim
         self.support_set = DeepSet(feat_dim, dim)
         self._build_sets(inputs)
-        self.head = nn.Sequential(nn.Linear(3 * dim + 3, hidden), nn.ELU(), nn.Linear(hidden, 1))
+        self._build_posterior(posterior)
         self.register_load_state_dict_pre_hook(self._match_checkpoint)
+
+    def _build_posterior(self, posterior: bool) -> None:
+        self.posterior = PosteriorPredictive(self.in_dim, self.out_dim) if posterior else None
+        self.head = nn.Sequential(nn.Linear(3 * self.dim + 3 + int(posterior), self.hidden), nn.ELU(),
+                                  nn.Linear(self.hidden, 1))
+        self._cached = None  # (support_x, query_x, support_y, grad enabled, weight versions, mean): one rollout's
+
+    def posterior_mean(self, inputs: dict) -> Tensor:
+        """(B, Q, out) the estimate of the query targets' mean given the support, computed once per batch of inputs:
+        a rollout asks at every step with the same input tensors (the loop hands on new ones only when rows
+        stop), so it is kept until the inputs, the grad mode or a weight change."""
+        key = (inputs["support_x"], inputs["query_x"], inputs["support_y"], torch.is_grad_enabled(),
+               tuple(p._version for p in self.posterior.parameters()))
+        c = self._cached
+        if c is None or any(a is not b for a, b in zip(c[:3], key[:3])) or c[3:5] != key[3:]:
+            mean = self.posterior(inputs["support_x"], inputs["support_y"], inputs["support_mask"], inputs["query_x"])
+            self._cached = c = (*key, mean)
+        return c[5]
+
+    def auxiliary_loss(self, inputs: dict, target: Tensor) -> Tensor | None:
+        """Stage II's second term: the posterior-mean estimate's squared error on the query targets (None without
+        one). It trains only :class:`PosteriorPredictive`; the stop logits read it detached."""
+        if self.posterior is None:
+            return None
+        return F.mse_loss(self.posterior_mean(inputs), target)
 
     def _build_sets(self, inputs: str) -> None:
         self.inputs = inputs
@@ -82,11 +151,13 @@ class MAMLStopPolicy(nn.Module):
             qp = output["pred"].detach()
             qf = torch.cat([qf, torch.softmax(qp, dim=-1) if self.classification else qp], dim=-1)
             residual = torch.cat([sf, target, pred, residual], dim=-1)
-        scalars = torch.stack([
-            torch.log1p(output["support_loss"].detach()),
-            torch.full_like(mask[:, 0], t / self.num_steps),
-            torch.log(inputs["shots"].to(mask)) / math.log(10.0),
-        ], dim=1)  # (B, 3)
+        columns = [torch.log1p(output["support_loss"].detach()),
+                   torch.full_like(mask[:, 0], t / self.num_steps),
+                   torch.log(inputs["shots"].to(mask)) / math.log(10.0)]
+        if self.posterior is not None:  # how far this step's function is from the estimated posterior mean
+            gap = (output["pred"].detach() - self.posterior_mean(inputs).detach()).pow(2).flatten(1).mean(dim=1)
+            columns.append(torch.log(gap + 1e-3))
+        scalars = torch.stack(columns, dim=1)  # (B, 3 or 4)
         h = torch.cat([self.support_set(sf, mask),
                        self.query_set(qf, qf.new_ones(qf.shape[:2])),
                        self.residual_set(residual, mask), scalars], dim=1)
@@ -98,8 +169,9 @@ class MAMLStopPolicy(nn.Module):
         w = state_dict.get(prefix + "residual_set.phi.weight")
         if w is None:
             return
+        like = self.head[0].weight  # the rebuilt parts take the module's device and dtype
         inputs = "separate" if w.shape[1] == self.out_dim else "joint"
         if inputs != self.inputs:
-            like = self.head[0].weight  # the rebuilt sets take the module's device and dtype
             self._build_sets(inputs)
             self.to(like)
+
