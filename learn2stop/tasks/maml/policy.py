@@ -85,7 +85,7 @@ class MAMLStopPolicy(nn.Module):
         num_steps: T. classification: residual as softmax - onehot, else prediction - target.
         inputs: ``"joint"`` or ``"separate"`` (above); a checkpoint loads as the one it was trained as.
         posterior: read the distance to the posterior-mean estimate (regression only; ``in_dim``: the size of an
-            input x). Runs made before it have ``model.policy_posterior: off`` (``MAMLConfig.earlier_values``).
+            input x). Off by default (``model.policy_posterior``).
     """
 
     INPUTS = ("joint", "separate")
@@ -99,17 +99,13 @@ class MAMLStopPolicy(nn.Module):
             raise ValueError("posterior: the distance to a posterior-mean estimate is for regression tasks and needs "
                              f"in_dim, the size of an input x; got classification={classification}, in_dim={in_dim!r}")
         self.num_steps, self.out_dim, self.classification = num_steps, out_dim, classification
-        self.feat_dim, self.dim, self.hidden, self.in_dim = feat_dim, dim, hidden, in_dim
+        self.feat_dim, self.dim = feat_dim, dim
         self.support_set = DeepSet(feat_dim, dim)
         self._build_sets(inputs)
-        self._build_posterior(posterior)
-        self.register_load_state_dict_pre_hook(self._match_checkpoint)
-
-    def _build_posterior(self, posterior: bool) -> None:
-        self.posterior = PosteriorPredictive(self.in_dim, self.out_dim) if posterior else None
-        self.head = nn.Sequential(nn.Linear(3 * self.dim + 3 + int(posterior), self.hidden), nn.ELU(),
-                                  nn.Linear(self.hidden, 1))
+        self.posterior = PosteriorPredictive(in_dim, out_dim) if posterior else None
+        self.head = nn.Sequential(nn.Linear(3 * dim + 3 + int(posterior), hidden), nn.ELU(), nn.Linear(hidden, 1))
         self._cached = None  # (support_x, query_x, support_y, grad enabled, weight versions, mean): one rollout's
+        self.register_load_state_dict_pre_hook(self._match_checkpoint)
 
     def posterior_mean(self, inputs: dict) -> Tensor:
         """(B, Q, out) the estimate of the query targets' mean given the support, computed once per batch of inputs:
@@ -169,9 +165,8 @@ class MAMLStopPolicy(nn.Module):
         w = state_dict.get(prefix + "residual_set.phi.weight")
         if w is None:
             return
-        like = self.head[0].weight  # the rebuilt parts take the module's device and dtype
         inputs = "separate" if w.shape[1] == self.out_dim else "joint"
         if inputs != self.inputs:
+            like = self.head[0].weight  # the rebuilt sets take the module's device and dtype
             self._build_sets(inputs)
             self.to(like)
-
