@@ -42,6 +42,11 @@ def test_reproduce_writes_table7_and_the_frontier(trained):
     # the oracle exit bounds every rule from above at equal or lower cost
     best_oracle = max(p["metric"] for p in fr["curves"]["oracle"])
     assert best_oracle >= max(p["metric"] for p in fr["curves"]["fixed_depth"])
+    # head to head: the policy against the one-line rules of the Stage I network and of SDN's, not the baseline's
+    columns = set(fr["head_to_head"]["rows"][0]["rules"])
+    assert columns == {"confidence", "entropy", "patience", "fixed", "sdn_confidence", "sdn_entropy", "sdn_patience",
+                       "sdn_fixed"}
+    assert fr["head_to_head"]["by"] == "cost"
 
 
 def test_calibrate_risk_and_predict_use_the_calibrated_rule(trained, tmp_path, capsys):

@@ -89,7 +89,8 @@ def synthetic_trace(N=600, T=6, seed=0):
 def test_head_to_head_finds_the_better_rule_and_ties_a_copy_of_itself():
     trace = synthetic_trace()
     thresholds = [0.5, 1.0]
-    out = head_to_head(trace, ERR, "smart", thresholds, ["blind", "copy", "fixed"], by="steps", resamples=300)
+    out = head_to_head(trace, ERR, "smart", thresholds, {r: (trace, r) for r in ("blind", "copy", "fixed")},
+                       by="steps", resamples=300)
     assert out["samples"] == 600 and len(out["rows"]) == 2
     for row, thr in zip(out["rows"], thresholds):
         stops = first_crossing(trace.signals["smart"], thr)
@@ -109,9 +110,26 @@ def test_head_to_head_by_cost_prices_a_fixed_depth_at_the_fixed_depth_costs():
     trace = synthetic_trace()
     trace.costs = torch.tensor([0.2, 0.35, 0.5, 0.7, 0.85, 1.0])  # early-exit heads read on the way
     trace.fixed_costs = torch.tensor([0.1, 0.25, 0.45, 0.6, 0.8, 1.0])  # a fixed depth reads its exit alone
-    out = head_to_head(trace, ERR, "smart", [0.5], ["fixed"], by="cost", resamples=50)
+    out = head_to_head(trace, ERR, "smart", [0.5], {"fixed": (trace, "fixed")}, by="cost", resamples=50)
     row = out["rows"][0]
     stops = first_crossing(trace.signals["smart"], 0.5)
     assert row["cost"] == pytest.approx(float(trace.costs[stops - 1].mean()))
     fixed = row["rules"]["fixed"]
     assert fixed["cost"] == pytest.approx(row["cost"], abs=1.0 / 600)
+
+
+def test_head_to_head_reads_another_networks_trace_of_the_same_samples():
+    """A rival network (SDN's, the baseline's) is compared on its own trace: same samples, its own steps and costs; a
+    trace recorded without signals still has its fixed depths. A trace of other samples is refused."""
+    trace = synthetic_trace()
+    other = synthetic_trace(seed=0)
+    other.metric = other.metric + 1.0  # a network worse by 1 everywhere
+    other.signals = {}
+    out = head_to_head(trace, ERR, "smart", [0.5], {"own_fixed": (trace, "fixed"), "other_fixed": (other, "fixed")},
+                       by="steps", resamples=100)
+    cells = out["rows"][0]["rules"]
+    assert cells["other_fixed"]["diff"] == pytest.approx(cells["own_fixed"]["diff"] + 1.0, abs=1e-5)
+    with pytest.raises(KeyError, match="no 'tolerance' signal"):
+        head_to_head(trace, ERR, "smart", [0.5], {"x": (other, "tolerance")}, by="steps", resamples=10)
+    with pytest.raises(ValueError, match="600"):
+        head_to_head(trace, ERR, "smart", [0.5], {"x": (synthetic_trace(N=50), "fixed")}, by="steps", resamples=10)

@@ -277,33 +277,51 @@ def paired_difference(metric: Metric, a: Tensor, b: Tensor, extras: dict, resamp
     return {"diff": diff, "low": low, "high": high}
 
 
-def head_to_head(trace: Trace, metric: Metric, policy: str, thresholds: list[float], rules: list[str], by: str,
-                 resamples: int = 1000, level: float = 0.95, seed: int = 0) -> dict:
+def head_to_head(trace: Trace, metric: Metric, policy: str, thresholds: list[float],
+                 rules: dict[str, tuple[Trace, str]], by: str, resamples: int = 1000, level: float = 0.95,
+                 seed: int = 0) -> dict:
     """The learned rule against each other rule at the learned rule's own cost, on the same samples.
 
-    For each of the policy's ``thresholds`` (its frontier points), every rule in ``rules`` (signals of ``trace``; a
-    fixed depth, ``"fixed"``, at the model's fixed-depth costs when budgeted by cost) is set on this trace to spend
-    what the policy spends (:func:`stops_at_cost`: its best case, the threshold chosen on the very samples scored),
-    and the difference in the metric gets a paired bootstrap interval (:func:`paired_difference`). An interval that
-    holds 0 says the two rules are not told apart on this many samples. ``by``: ``"steps"`` (t / T) or ``"cost"``.
+    For each of the policy's ``thresholds`` (its frontier points on ``trace``), every rule in ``rules`` (a column
+    name -> (a trace of the same samples in the same order: this model's, or another network's; one of its signals,
+    ``"fixed"`` for a fixed depth, at that model's fixed-depth costs when budgeted by cost)) is set on its trace to
+    spend what the policy spends (:func:`stops_at_cost`: its best case, the threshold chosen on the very samples
+    scored), and the difference in the metric gets a paired bootstrap interval (:func:`paired_difference`). An
+    interval that holds 0 says the two rules are not told apart on this many samples. ``by``: ``"steps"`` (t / T)
+    or ``"cost"``.
     """
     N, T = trace.metric.shape
+
+    def axis(tr: Trace, fixed: bool) -> Tensor:
+        if by == "cost":
+            return tr.fixed_depth_costs if fixed else tr.costs
+        return torch.arange(1, tr.num_steps + 1, dtype=torch.float32) / tr.num_steps
+
+    def scores(tr: Trace, name: str) -> Tensor:
+        if name in tr.signals:
+            return tr.signals[name]
+        if name == "fixed":  # a trace recorded without signals: the fixed depth's are its step numbers
+            return torch.arange(1, tr.num_steps, dtype=torch.float32).expand(tr.metric.shape[0], -1)
+        raise KeyError(f"head_to_head: the trace has no {name!r} signal; it has {', '.join(tr.signals) or 'none'}")
+
+    for col, (tr, _) in rules.items():
+        if tr.metric.shape[0] != N:
+            raise ValueError(f"head_to_head: {col!r} is scored on {tr.metric.shape[0]} samples, the policy on {N}")
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(N, (resamples, N), generator=g)
-    steps = torch.arange(1, T + 1, dtype=torch.float32) / T
-    own = {r: (steps if by != "cost" else trace.fixed_depth_costs if r == "fixed" else trace.costs) for r in rules}
     rows = []
     for thr in thresholds:
         stops = first_crossing(trace.signals[policy], thr)
-        cost = float((steps if by != "cost" else trace.costs)[stops - 1].mean())
+        cost = float(axis(trace, False)[stops - 1].mean())
         mine = trace.at(stops)
         row = {"threshold": thr, "cost": cost, "mean_steps": float(stops.float().mean()),
                "metric": metric(mine, trace.extras), "rules": {}}
-        for r in rules:
-            other = stops_at_cost(trace.signals[r], own[r], cost, torch.Generator().manual_seed(seed))
-            theirs = trace.at(other)
-            row["rules"][r] = {"metric": metric(theirs, trace.extras), "cost": float(own[r][other - 1].mean()),
-                               **paired_difference(metric, mine, theirs, trace.extras, idx, level)}
+        for col, (tr, name) in rules.items():
+            own = axis(tr, name == "fixed")
+            other = stops_at_cost(scores(tr, name), own, cost, torch.Generator().manual_seed(seed))
+            theirs = tr.at(other)
+            row["rules"][col] = {"metric": metric(theirs, trace.extras), "cost": float(own[other - 1].mean()),
+                                 **paired_difference(metric, mine, theirs, trace.extras, idx, level)}
         rows.append(row)
     return {"policy": policy, "by": by, "resamples": resamples, "level": level, "samples": N, "rows": rows}
 

@@ -687,10 +687,14 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
     N = test.metric.shape[0]
     curves: dict[str, list[dict]] = {}
     how: dict[str, tuple[Callable[[dict], Callable], Any]] = {}  # curve -> (point -> rule factory, model to time)
+    rivals: dict[str, tuple[Trace, str]] = {}  # the head-to-head's columns: the one-line rules of stopping networks
 
     def network(prefix: str, trace: Trace, model: Any) -> None:
         """A network's fixed depths, and the classical rules swept when its trace has their scores."""
         curves[f"{prefix}fixed_depth"] = fixed_depth_curve(trace, metric)
+        if prefix != "baseline_":  # the baseline is the speed reference; its exits (if any) are not trained to stop
+            rivals.update({prefix + name: (trace, name) for name in (*app.classical_signals(cfg), "fixed")
+                           if name == "fixed" or name in trace.signals})
         how[f"{prefix}fixed_depth"] = (lambda p: (lambda: FixedDepth(p["depth"])), model)
         for name, factory in app.classical_signals(cfg).items():
             if name in trace.signals:
@@ -777,8 +781,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
             result.setdefault("speed_at_quality_by_backend", {})[bname] = speed_at_quality(moved, metric, ref)
     result["summary"] = frontier_summary(curves, metric, full, T)
     if sm.policy is not None and curves["policy"]:  # is the learned rule better than the one-line rules, or noise?
-        others = [r for r in (*app.classical_signals(cfg), "fixed") if r in test.signals]
-        result["head_to_head"] = head_to_head(test, metric, main, [p["threshold"] for p in curves["policy"]], others,
+        result["head_to_head"] = head_to_head(test, metric, main, [p["threshold"] for p in curves["policy"]], rivals,
                                               app.budget_by)
     if app.budget_by == "cost":
         result["summary_by_cost"] = frontier_summary(curves, metric, full, T, x="mean_cost")
