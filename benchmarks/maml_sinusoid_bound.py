@@ -85,9 +85,8 @@ def posterior_distance(model, policy, batches) -> torch.Tensor:
     estimate (``model.policy_posterior``): what a rule without the query labels can read."""
     rows = []
     for inputs, _ in batches:
-        mean = policy.posterior_mean(inputs)
         steps = unroll(model, inputs, keep_outputs=True, model_grad=False).step_outputs
-        rows.append(torch.stack([(o["pred"] - mean).pow(2).flatten(1).mean(1) for o in steps], 1))
+        rows.append(torch.stack([policy.posterior_distance(inputs, o) for o in steps], 1))
     return torch.cat(rows)
 
 

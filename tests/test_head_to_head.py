@@ -119,12 +119,12 @@ def test_head_to_head_by_cost_prices_a_fixed_depth_at_the_fixed_depth_costs():
 
 
 def test_head_to_head_reads_another_networks_trace_of_the_same_samples():
-    """A rival network (SDN's, the baseline's) is compared on its own trace: same samples, its own steps and costs; a
-    trace recorded without signals still has its fixed depths. A trace of other samples is refused."""
+    """A rival network (SDN's) is compared on its own trace: same samples, its own steps and costs. A signal the trace
+    did not record, and a trace of other samples, are refused."""
     trace = synthetic_trace()
     other = synthetic_trace(seed=0)
     other.metric = other.metric + 1.0  # a network worse by 1 everywhere
-    other.signals = {}
+    other.signals = {"fixed": other.signals["fixed"]}
     out = head_to_head(trace, ERR, "smart", [0.5], {"own_fixed": (trace, "fixed"), "other_fixed": (other, "fixed")},
                        by="steps", resamples=100)
     cells = out["rows"][0]["rules"]

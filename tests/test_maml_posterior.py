@@ -6,7 +6,7 @@ import torch
 from learn2stop.core import StageConfig, StoppingModel, unroll
 from learn2stop.core.objectives import StageObjective
 from learn2stop.tasks.maml.app import preset
-from learn2stop.tasks.maml.models import MLP, MAMLModel, build, uses_posterior
+from learn2stop.tasks.maml.models import MLP, MAMLModel, build
 from learn2stop.tasks.maml.policy import MAMLStopPolicy, PosteriorPredictive
 from learn2stop.tasks.maml.samplers import SinusoidSampler
 from learn2stop.utils.config import ConfigError
@@ -127,9 +127,9 @@ def test_a_checkpoint_loads_only_into_the_policy_it_was_trained_as():
 
 
 def test_the_option_is_for_regression_and_named_when_misused():
-    assert not uses_posterior(preset("quick"))  # off by default: the per-step policy did not gain from it
+    assert not preset("quick").model.policy_posterior  # off by default: the per-step policy did not gain from it
     on = preset("quick", model={"policy_posterior": True})
-    assert uses_posterior(on) and build(on, None)[1].policy.posterior is not None
+    assert on.model.policy_posterior and build(on, None)[1].policy.posterior is not None
     assert build(preset("quick"), None)[1].policy.posterior is None
     with pytest.raises(ConfigError, match="policy_posterior"):
         preset("quick", model={"policy_posterior": "sometimes"})

@@ -184,7 +184,7 @@ def sweep_curve(trace: Trace, metric: Metric, scores: Tensor, signal: StopSignal
 def budget_curve(trace: Trace, metric: Metric, val: Trace, name: str, signal: StopSignal,
                  budgets: Iterable[float], by: str = "steps") -> list[dict]:
     """The rule calibrated on validation scores to each budget, scored on this trace."""
-    costs = _budget_costs(val, by)
+    costs = budget_costs(val, by)
     out = []
     for b in budgets:
         try:
@@ -228,9 +228,17 @@ def oracle_curve(trace: Trace, metric: Metric, points: int = 14) -> list[dict]:
     return _dedupe(out)
 
 
-def _budget_costs(trace: Trace, by: str) -> Tensor:
+def rule_costs(trace: Trace, rule: str | None = None) -> Tensor:
+    """(T,) what stopping at t costs a rule on this trace: a fixed depth (``"fixed"``) reads no earlier exit, so it
+    costs the model's fixed-depth costs (``Trace.fixed_depth_costs``); every other rule the trace's costs."""
+    return trace.fixed_depth_costs if rule == "fixed" else trace.costs
+
+
+def budget_costs(trace: Trace, by: str, rule: str | None = None) -> Tensor:
+    """(T,) what a budget counts a stop at t as: the rule's costs (:func:`rule_costs`) for a task budgeted by cost
+    (FLOPs, MACs), else the fraction of the steps, t / T."""
     T = trace.num_steps
-    return trace.costs if by == "cost" else torch.arange(1, T + 1, dtype=torch.float32) / T
+    return rule_costs(trace, rule) if by == "cost" else torch.arange(1, T + 1, dtype=torch.float32) / T
 
 
 def _dedupe(points: list[dict]) -> list[dict]:
@@ -270,8 +278,11 @@ def paired_difference(metric: Metric, a: Tensor, b: Tensor, extras: dict, resamp
     paired bootstrap interval: ``resamples`` (R, N) sample indices drawn with replacement, the same for every pair
     compared, so the rows of one table share their noise. ``{"diff", "low", "high"}``."""
     diff = metric.gain(metric(a, extras), metric(b, extras))
-    boot = torch.tensor([metric.gain(metric(a[i], {k: v[i] for k, v in extras.items()}),
-                                     metric(b[i], {k: v[i] for k, v in extras.items()})) for i in resamples])
+    boot = []
+    for i in resamples:
+        ex = {k: v[i] for k, v in extras.items()}
+        boot.append(metric.gain(metric(a[i], ex), metric(b[i], ex)))
+    boot = torch.tensor(boot)
     q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=boot.dtype)
     low, high = torch.quantile(boot, q).tolist()
     return {"diff": diff, "low": low, "high": high}
@@ -284,41 +295,32 @@ def head_to_head(trace: Trace, metric: Metric, policy: str, thresholds: list[flo
 
     For each of the policy's ``thresholds`` (its frontier points on ``trace``), every rule in ``rules`` (a column
     name -> (a trace of the same samples in the same order: this model's, or another network's; one of its signals,
-    ``"fixed"`` for a fixed depth, at that model's fixed-depth costs when budgeted by cost)) is set on its trace to
+    ``"fixed"`` for a fixed depth, at that model's fixed-depth costs when budgeted by cost: :func:`budget_costs`)) is
+    set on its trace to
     spend what the policy spends (:func:`stops_at_cost`: its best case, the threshold chosen on the very samples
     scored), and the difference in the metric gets a paired bootstrap interval (:func:`paired_difference`). An
     interval that holds 0 says the two rules are not told apart on this many samples. ``by``: ``"steps"`` (t / T)
     or ``"cost"``.
     """
-    N, T = trace.metric.shape
-
-    def axis(tr: Trace, fixed: bool) -> Tensor:
-        if by == "cost":
-            return tr.fixed_depth_costs if fixed else tr.costs
-        return torch.arange(1, tr.num_steps + 1, dtype=torch.float32) / tr.num_steps
-
-    def scores(tr: Trace, name: str) -> Tensor:
-        if name in tr.signals:
-            return tr.signals[name]
-        if name == "fixed":  # a trace recorded without signals: the fixed depth's are its step numbers
-            return torch.arange(1, tr.num_steps, dtype=torch.float32).expand(tr.metric.shape[0], -1)
-        raise KeyError(f"head_to_head: the trace has no {name!r} signal; it has {', '.join(tr.signals) or 'none'}")
-
-    for col, (tr, _) in rules.items():
+    N = trace.metric.shape[0]
+    for col, (tr, name) in rules.items():
         if tr.metric.shape[0] != N:
             raise ValueError(f"head_to_head: {col!r} is scored on {tr.metric.shape[0]} samples, the policy on {N}")
+        if name not in tr.signals:
+            raise KeyError(f"head_to_head: {col!r}: the trace has no {name!r} signal; it has "
+                           f"{', '.join(tr.signals) or 'none'}")
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(N, (resamples, N), generator=g)
     rows = []
     for thr in thresholds:
         stops = first_crossing(trace.signals[policy], thr)
-        cost = float(axis(trace, False)[stops - 1].mean())
+        cost = float(budget_costs(trace, by)[stops - 1].mean())
         mine = trace.at(stops)
         row = {"threshold": thr, "cost": cost, "mean_steps": float(stops.float().mean()),
                "metric": metric(mine, trace.extras), "rules": {}}
         for col, (tr, name) in rules.items():
-            own = axis(tr, name == "fixed")
-            other = stops_at_cost(scores(tr, name), own, cost, torch.Generator().manual_seed(seed))
+            own = budget_costs(tr, by, name)
+            other = stops_at_cost(tr.signals[name], own, cost, torch.Generator().manual_seed(seed))
             theirs = tr.at(other)
             row["rules"][col] = {"metric": metric(theirs, trace.extras), "cost": float(own[other - 1].mean()),
                                  **paired_difference(metric, mine, theirs, trace.extras, idx, level)}

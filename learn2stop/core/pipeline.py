@@ -29,14 +29,14 @@ from ..utils.distributed import DistContext
 from ..utils.report import write_json, write_text_atomic
 from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rule, policy_rules, calibrate_budget, calibrate_match, calibrate_risk,
                           CalibrationTarget, load_calibration, save_calibration)
-from .evaluation import (Metric, Trace, budget_curve, collect_trace, extend_below, fastest_at_quality, fixed_depth_curve, frontier_markdown, head_to_head, frontier_plot,
-                         SPEED_KEYS, frontier_summary, frontier_time_plot, oracle_curve, speed_at_quality,
+from .evaluation import (Metric, Trace, budget_costs, budget_curve, collect_trace, extend_below, fastest_at_quality, fixed_depth_curve, frontier_markdown, head_to_head, frontier_plot,
+                         SPEED_KEYS, frontier_summary, frontier_time_plot, oracle_curve, rule_costs, speed_at_quality,
                          speeds_side_by_side, sweep_curve, _point)
 from .loop import run_with_early_exit
 from .model import StoppingModel
 from .trees import tree_cat, tree_leaves, tree_map, tree_select
 from .objectives import MethodConfig, StageConfig
-from .rules import SIGNALS, FixedDepth, SignalRule, StopSignal, first_crossing, make_signal
+from .rules import SIGNALS, DepthSignal, FixedDepth, SignalRule, StopSignal, first_crossing, make_signal
 from .trainer import StagedTrainer, load_finished_stage
 
 
@@ -352,8 +352,7 @@ def _require_trained(run_dir: Path, stage: str, command: str) -> None:
 
 def stop_model_trace(app: StoppingApp, cfg, sm: StoppingModel, split: str, device, with_classical: bool = True) -> Trace:
     """The stop model's trace on a split: per-step metrics, both policy rules' scores and classical signals."""
-    rules = [*(policy_rules(sm.policy) if sm.policy is not None else ()),
-             *((*app.classical_signals(cfg), "fixed") if with_classical else ())]
+    rules = model_rules(app, cfg, sm) if with_classical else (policy_rules(sm.policy) if sm.policy is not None else [])
     signals = {r: (lambda r=r: rule_signal(app, cfg, sm, r)) for r in rules}
     return collect_trace(sm.model, app.eval_batches(cfg, split, device), app.metric(cfg), device, signals=signals,
                          extras=app.trace_extras(cfg))
@@ -368,32 +367,31 @@ def rule_signal(app: StoppingApp, cfg: Any, sm: StoppingModel, rule: str) -> Sto
     return factory() if factory is not None else make_signal(rule)
 
 
-def _calibration_costs(app: StoppingApp, trace: Trace, costs: torch.Tensor) -> torch.Tensor:
-    """(T,) what a calibration counts a stop at t as: a rule's ``costs`` for a task budgeted by cost (FLOPs, MACs),
-    else the fraction of the steps, t / T."""
-    return costs if app.budget_by == "cost" else torch.arange(1, trace.num_steps + 1) / trace.num_steps
+def model_rules(app: StoppingApp, cfg: Any, sm: StoppingModel, first: str | None = None) -> list[str]:
+    """Every rule the stop model can run: its policy's rules (none without a policy), the task's classical ones and
+    a fixed depth; ``first`` (one of them) leads."""
+    rules = [*(policy_rules(sm.policy) if sm.policy is not None else ()), *app.classical_signals(cfg), "fixed"]
+    return rules if first is None else [first, *(r for r in rules if r != first)]
 
 
 def _calibrate_each(app: StoppingApp, cfg: Any, sm: StoppingModel, val: Trace, test: Trace, rules: list[str],
                     calibrate: Callable[[str, torch.Tensor, torch.Tensor, Callable], Calibration | None]
                     ) -> dict[str, Calibration]:
     """Each rule calibrated on the validation trace by ``calibrate(rule, scores, costs, to_param)`` and scored on the
-    test trace (``Calibration.test``). ``costs`` are the rule's own: a fixed depth reads no earlier exit, so it costs
-    the model's fixed-depth costs (the FLOPs of an early-exit network without the skipped exits). A rule that cannot
-    reach the target (``calibrate`` gives None) is left out."""
+    test trace (``Calibration.test``). ``costs`` are what the task's budget counts for the rule (``budget_costs``: a
+    fixed depth reads no earlier exit, so by cost it costs the model's fixed-depth costs, the FLOPs of an early-exit
+    network without the skipped exits). A rule that cannot reach the target (``calibrate`` gives None) is left out."""
     metric = app.metric(cfg)
     test_losses, _ = app.risk_losses(cfg, test)
     out: dict[str, Calibration] = {}
     for r in rules:
-        val_costs, test_costs = ((val.fixed_depth_costs, test.fixed_depth_costs) if r == "fixed" else
-                                 (val.costs, test.costs))
-        cal = calibrate(r, val.signals[r], val_costs, rule_signal(app, cfg, sm, r).to_param)
+        cal = calibrate(r, val.signals[r], budget_costs(val, app.budget_by, r), rule_signal(app, cfg, sm, r).to_param)
         if cal is None:
             continue
         stops = first_crossing(test.signals[r], cal.threshold)
         cal.test = {"metric": metric(test.at(stops), test.extras),
                     "full_depth_metric": metric(test.metric[:, -1], test.extras),
-                    "mean_steps": float(stops.float().mean()), "mean_cost": float(test_costs[stops - 1].mean()),
+                    "mean_steps": float(stops.float().mean()), "mean_cost": float(rule_costs(test, r)[stops - 1].mean()),
                     "risk": float(test_losses.gather(1, (stops - 1)[:, None]).mean()), "samples": int(stops.numel())}
         cal.calibration["metric"] = metric(val.at(first_crossing(val.signals[r], cal.threshold)), val.extras)
         out[r] = cal
@@ -459,7 +457,7 @@ def calibrate_command(app: StoppingApp, cfg: Any, run: Run, target: CalibrationT
     _require_trained(run.run_dir, app.stop_stage, "calibrate")
     sm = load_stage(app, cfg, run.run_dir, app.stop_stage, run.device)
     if fastest:
-        rules = [*(policy_rules(sm.policy) if sm.policy is not None else ()), *app.classical_signals(cfg), "fixed"]
+        rules = model_rules(app, cfg, sm)
     else:
         rules = [rule or app.inference(cfg).rule]
         check_rule(app, cfg, rules[0], "--rule")
@@ -472,10 +470,9 @@ def calibrate_command(app: StoppingApp, cfg: Any, run: Run, target: CalibrationT
     losses, rng = app.risk_losses(cfg, val) if target.budget is None else (None, None)
 
     def calibrate(r: str, scores: torch.Tensor, costs: torch.Tensor, to_param) -> Calibration:
-        by = _calibration_costs(app, val, costs)
         if target.budget is not None:
-            return calibrate_budget(scores, by, target.budget, r, to_param)
-        return calibrate_risk(scores, losses, target.epsilon, target.risk_level, r, costs=by, loss_range=rng,
+            return calibrate_budget(scores, costs, target.budget, r, to_param)
+        return calibrate_risk(scores, losses, target.epsilon, target.risk_level, r, costs=costs, loss_range=rng,
                               to_param=to_param)
 
     cals = _calibrate_each(app, cfg, sm, val, test, rules, calibrate)
@@ -553,14 +550,13 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
 
     def calibrate(r: str, scores: torch.Tensor, costs: torch.Tensor, to_param) -> Calibration | None:
         """One rule calibrated to keep the baseline's full-depth quality: certified at the lead, else matched."""
-        by = _calibration_costs(app, val, costs)
         if lead > 0:
-            return calibrate_risk(scores, losses, lead, delta, r, costs=by, loss_range=rng, to_param=to_param)
-        return calibrate_match(scores, by, lambda stops: metric(val.at(stops), val.extras), metric.better, goal, r,
+            return calibrate_risk(scores, losses, lead, delta, r, costs=costs, loss_range=rng, to_param=to_param)
+        return calibrate_match(scores, costs, lambda stops: metric(val.at(stops), val.extras), metric.better, goal, r,
                                to_param=to_param)
 
     signal = make_signal(rule, sm.policy)
-    cal = calibrate(rule, val.signals[rule], val.costs, signal.to_param)
+    cal = calibrate(rule, val.signals[rule], budget_costs(val, app.budget_by), signal.to_param)
     if app.deploy_in_time:
         deployment_in_time(app, cfg, run, sm, base, val, calibrate, rule, cal is not None, how)
     if cal is None:
@@ -596,7 +592,7 @@ def deployment_in_time(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, 
     test = stop_model_trace(app, cfg, sm, "test", run.device)
     base_test = collect_trace(base.model, app.eval_batches(cfg, "test", run.device), metric, run.device,
                               extras=app.trace_extras(cfg))
-    rules = [main, *(r for r in policy_rules(sm.policy) if r != main), *app.classical_signals(cfg), "fixed"]
+    rules = model_rules(app, cfg, sm, first=main)
     cals = _calibrate_each(app, cfg, sm, val, test, rules, calibrate)
     jobs = {"baseline": (base.model, FixedDepth)}
     jobs.update({r: (sm.model, lambda c=c: c.make_rule(sm.policy)) for r, c in cals.items()})
@@ -694,7 +690,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
         curves[f"{prefix}fixed_depth"] = fixed_depth_curve(trace, metric)
         if prefix != "baseline_":  # the baseline is the speed reference; its exits (if any) are not trained to stop
             rivals.update({prefix + name: (trace, name) for name in (*app.classical_signals(cfg), "fixed")
-                           if name == "fixed" or name in trace.signals})
+                           if name in trace.signals})
         how[f"{prefix}fixed_depth"] = (lambda p: (lambda: FixedDepth(p["depth"])), model)
         for name, factory in app.classical_signals(cfg).items():
             if name in trace.signals:
@@ -711,7 +707,8 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
     for prefix, stage in app.frontier_also.items():
         other = load_stage(app, cfg, run.run_dir, stage, dev)
         network(f"{prefix}_", collect_trace(other.model, app.eval_batches(cfg, "test", dev), metric, dev,
-                                            signals=app.classical_signals(cfg), extras=app.trace_extras(cfg)), other.model)
+                                            signals={**app.classical_signals(cfg), "fixed": DepthSignal},
+                                            extras=app.trace_extras(cfg)), other.model)
     main = None
     ref_pts = curves.get("baseline_fixed_depth")
     ref = max(ref_pts, key=lambda p: p["mean_steps"]) if ref_pts else None  # the speed reference (below), or full depth

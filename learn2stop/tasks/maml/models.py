@@ -307,11 +307,6 @@ def loss_kind(cfg) -> str:
     return "mse" if cfg.data.source == "sinusoid" else "cross_entropy"
 
 
-def uses_posterior(cfg) -> bool:
-    """Whether the stopping policy reads the posterior-mean estimate (``model.policy_posterior``, regression only)."""
-    return bool(cfg.model.policy_posterior) and loss_kind(cfg) == "mse"
-
-
 def build(cfg, device, *, seed_offset: str = "") -> tuple[StoppingModel, StoppingModel]:
     """The two models, same initialisation: MAML (one output after T updates) and MAML-stop (T outputs + policy).
 
@@ -324,7 +319,7 @@ def build(cfg, device, *, seed_offset: str = "") -> tuple[StoppingModel, Stoppin
         net_stop = make_network(cfg)
         net_stop.load_state_dict(net.state_dict())
         policy = MAMLStopPolicy(net_stop.feat_dim, 1 if loss == "mse" else cfg.data.n_way, T, classification=loss != "mse",
-                                posterior=uses_posterior(cfg), in_dim=1 if loss == "mse" else None)
+                                posterior=cfg.model.policy_posterior, in_dim=1 if loss == "mse" else None)
     clip = m.inner_grad_clip
     maml = StoppingModel(MAMLModel(net, 1, m.inner_lr, m.first_order, loss, updates_per_step=T, inner_grad_clip=clip))
     stop = StoppingModel(MAMLModel(net_stop, T, m.inner_lr, m.first_order, loss, policy_features=True,

@@ -119,6 +119,11 @@ class MAMLStopPolicy(nn.Module):
             self._cached = c = (*key, mean)
         return c[5]
 
+    def posterior_distance(self, inputs: dict, output: dict) -> Tensor:
+        """(B,) the mean squared distance of a step's query predictions to the posterior-mean estimate, detached: what
+        the stop logit reads (and the Bayes stop minimises over the steps)."""
+        return (output["pred"].detach() - self.posterior_mean(inputs).detach()).pow(2).flatten(1).mean(dim=1)
+
     def auxiliary_loss(self, inputs: dict, target: Tensor) -> Tensor | None:
         """Stage II's second term: the posterior-mean estimate's squared error on the query targets (None without
         one). It trains only :class:`PosteriorPredictive`; the stop logits read it detached."""
@@ -151,8 +156,7 @@ class MAMLStopPolicy(nn.Module):
                    torch.full_like(mask[:, 0], t / self.num_steps),
                    torch.log(inputs["shots"].to(mask)) / math.log(10.0)]
         if self.posterior is not None:  # how far this step's function is from the estimated posterior mean
-            gap = (output["pred"].detach() - self.posterior_mean(inputs).detach()).pow(2).flatten(1).mean(dim=1)
-            columns.append(torch.log(gap + 1e-3))
+            columns.append(torch.log(self.posterior_distance(inputs, output) + 1e-3))
         scalars = torch.stack(columns, dim=1)  # (B, 3 or 4)
         h = torch.cat([self.support_set(sf, mask),
                        self.query_set(qf, qf.new_ones(qf.shape[:2])),
