@@ -32,11 +32,14 @@ VARIANTS = {
     "stage2": ("forward_kl", "map", "reverse_kl"),
     "stage3": ("beta_vae",),
     "aevb": ("beta_vae",),
+    "auxiliary": ("auxiliary",),
 }
 #: which parameters each objective trains.
-TRAINS = {"deep_supervision": "model", "stage1": "model", "stage2": "policy", "stage3": "both", "aevb": "both"}
+TRAINS = {"deep_supervision": "model", "stage1": "model", "stage2": "policy", "stage3": "both", "aevb": "both",
+          "auxiliary": "policy"}
 #: what validation selects on by default ("last" step loss, "oracle" best-step loss, "policy" early-exit loss).
-SELECTS = {"deep_supervision": "last", "stage1": "oracle", "stage2": "policy", "stage3": "policy", "aevb": "policy"}
+SELECTS = {"deep_supervision": "last", "stage1": "oracle", "stage2": "policy", "stage3": "policy", "aevb": "policy",
+           "auxiliary": "none"}
 
 
 @dataclass
@@ -70,7 +73,8 @@ INHERITED = ("beta", "prior", "prior_rate", "price")
 class StageConfig:
     """One training stage: its objective and optimisation settings.
 
-    objective: deep_supervision (baseline), stage1, stage2, stage3 or aevb.
+    objective: deep_supervision (baseline), stage1, stage2, stage3, aevb, or auxiliary (the policy's auxiliary loss
+        alone, no rollout: e.g. MAML's posterior-mean estimate before Stage II).
     variant: deep_supervision discounted|last|weighted; stage1 expected|marginal|sampled;
         stage2 forward_kl|map|reverse_kl; "" picks the first.
     step_weights: deep_supervision "weighted": w_1..w_T (e.g. SDN's IC weights and 1 for the final output).
@@ -319,6 +323,22 @@ def stage3(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfig, generat
 
 
 OBJECTIVES.register("aevb")(stage3)
+
+
+@OBJECTIVES.register("auxiliary")
+def auxiliary(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfig, generator) -> tuple[Tensor, dict]:
+    """The policy's auxiliary loss alone (``policy.auxiliary_loss(inputs, target)``), with no rollout: a part of the
+    policy that learns from the inputs and targets only (MAML's posterior-mean estimate) trained on as many batches
+    as it needs, before Stage II fits the stop to the oracle."""
+    _need_policy(sm)
+    aux = getattr(sm.policy, "auxiliary_loss", None)
+    loss = aux(inputs, target) if callable(aux) else None
+    if loss is None:
+        raise ValueError(f"objective 'auxiliary' trains the policy's auxiliary_loss, but {type(sm.policy).__name__} "
+                         "has none (or returned None)")
+    if not bool(torch.isfinite(loss.detach()).all()):
+        raise NonFiniteError(f"the policy's auxiliary loss is non-finite ({float(loss.detach())})")
+    return loss, {"aux_loss": float(loss.detach())}
 
 
 def _with_auxiliary(sm: StoppingModel, inputs, target, loss: Tensor, metrics: dict) -> tuple[Tensor, dict]:

@@ -367,6 +367,14 @@ def rule_signal(app: StoppingApp, cfg: Any, sm: StoppingModel, rule: str) -> Sto
     return factory() if factory is not None else make_signal(rule)
 
 
+def signal_key(app: StoppingApp, cfg: Any, rule: str) -> Any:
+    """The part of the output a task's classical rule reads, as its factory builds it (MAML's tolerance: the support
+    loss); None for the other rules. What turns a rule's name (a calibration's, the config's) into the rule the
+    task's traces scored."""
+    factory = app.classical_signals(cfg).get(rule)
+    return getattr(factory(), "key", None) if factory is not None else None
+
+
 def model_rules(app: StoppingApp, cfg: Any, sm: StoppingModel, first: str | None = None) -> list[str]:
     """Every rule the stop model can run: its policy's rules (none without a policy), the task's classical ones and
     a fixed depth; ``first`` (one of them) leads."""
@@ -491,7 +499,8 @@ def _fastest_calibration(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel
                          speed_batch: int | None) -> Calibration:
     """The calibrated rule that runs fastest at batch ``speed_batch`` (:func:`_speeds`); the others' speeds and test
     results recorded with it (``Calibration.chosen_by``)."""
-    speeds, bname, sizes = _speeds(app, cfg, run, {r: (sm.model, lambda c=c: c.make_rule(sm.policy))
+    speeds, bname, sizes = _speeds(app, cfg, run, {r: (sm.model, lambda c=c: c.make_rule(sm.policy,
+                                                                                        signal_key(app, cfg, c.rule)))
                                                    for r, c in cals.items()}, (speed_batch or app.speed_batch,))
     size = next(iter(sizes.values()))
     timed = {r: v[size] for r, v in speeds.items()}
@@ -595,7 +604,8 @@ def deployment_in_time(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, 
     rules = model_rules(app, cfg, sm, first=main)
     cals = _calibrate_each(app, cfg, sm, val, test, rules, calibrate)
     jobs = {"baseline": (base.model, FixedDepth)}
-    jobs.update({r: (sm.model, lambda c=c: c.make_rule(sm.policy)) for r, c in cals.items()})
+    jobs.update({r: (sm.model, lambda c=c: c.make_rule(sm.policy, signal_key(app, cfg, c.rule)))
+                 for r, c in cals.items()})
     speeds, bname, sizes = _speeds(app, cfg, run, jobs, (1, app.speed_batch))
     ref = speeds.get("baseline", {})
     rows = [{"rule": "baseline", "name": f"{app.baseline_label} at full depth"
@@ -853,7 +863,8 @@ def deployed_rule(app: StoppingApp, cfg: Any, run_dir, sm: StoppingModel, genera
         check_policy_rule(cal.rule, sm, f"{Path(run_dir) / 'calibration.json'}: rule")
     elif not inference.sampled:
         check_policy_rule(inference.rule, sm, "inference.rule")
-    rule, desc = active_rule(app.inference(cfg), run_dir, sm.policy, generator=generator)
+    name = cal.rule if cal is not None else inference.rule
+    rule, desc = active_rule(app.inference(cfg), run_dir, sm.policy, key=signal_key(app, cfg, name), generator=generator)
     reason = served_baseline(app, cfg, run_dir)
     if reason is not None:
         desc += f" (the run deploys {app.baseline_label} at full depth instead: {reason})"
