@@ -36,6 +36,7 @@ from learn2stop.core.loop import unroll
 from learn2stop.core.pipeline import load_stage
 from learn2stop.core.rules import SIGNALS, first_crossing
 from learn2stop.tasks.maml.app import APP, MAMLConfig, preset
+from learn2stop.tasks.maml.models import meta_learner
 from learn2stop.utils.config import load_run_config
 
 
@@ -142,26 +143,33 @@ def main(argv=None) -> dict:
                          f"noise {cfg.data.noise}")
     metric, batches, val = APP.metric(cfg), APP.eval_batches(cfg, "test", None), APP.eval_batches(cfg, "val", None)
     big, worst = recovered_tasks(batches, args.query_points, torch.Generator().manual_seed(123))
-    observed = collect_trace(sm.model, batches, metric).metric  # (N, T): each task's own 20 query points
-    expected = collect_trace(sm.model, big, metric).metric  # (N, T): the task's expected query MSE
-    posterior = posterior_mse(sm.model, batches, cfg.data.noise, args.grid)
+    own = meta_learner(sm)  # the meta-learner's own steps; sm.model answers with a kept step (model.answer: nearest)
+    observed = collect_trace(own, batches, metric).metric  # (N, T): each task's own 20 query points
+    expected = collect_trace(own, big, metric).metric  # (N, T): the task's expected query MSE
+    answers = own is not sm.model and sm.model.answering
+    # what the stop model answers at each step: the meta-learner's step, or the kept one
+    said = (collect_trace(sm.model, batches, metric).metric, collect_trace(sm.model, big, metric).metric) if answers \
+        else (observed, expected)
+    posterior = posterior_mse(own, batches, cfg.data.noise, args.grid)
     T = expected.shape[1]
-    depth = int(collect_trace(sm.model, val, metric).metric.mean(0).argmin()) + 1  # the best fixed depth on validation
+    depth = int(collect_trace(own, val, metric).metric.mean(0).argmin()) + 1  # the best fixed depth on validation
     with torch.no_grad():
         logits = torch.cat([unroll(sm.model, i, policy=sm.policy, model_grad=False).stop_logits for i, _ in batches])
     steps = torch.arange(1, T + 1).double()
 
-    def row(times: torch.Tensor) -> tuple[float, float, float]:
-        return _at(observed, times), _at(expected, times), float(times.float().mean())
+    def row(times: torch.Tensor, answered: bool = False) -> tuple[float, float, float]:
+        o, e = said if answered else (observed, expected)
+        return _at(o, times), _at(e, times), float(times.float().mean())
 
     fixed = torch.full((expected.shape[0],), depth)
     alpha = SIGNALS["quantile"].from_param(0.5)  # the score threshold of the 0.5-quantile (the score is -log survival)
-    rows = {"policy, quantile 0.5": row(first_crossing(policy_scores(logits, "quantile"), alpha)),
+    policy_name = "policy, quantile 0.5" + (" (answers with the kept step; mean step = steps run)" if answers else "")
+    rows = {policy_name: row(first_crossing(policy_scores(logits, "quantile"), alpha), answered=True),
             f"fixed {depth} (best on validation)": row(fixed),
             "Bayes stop (support only)": row(posterior.argmin(1) + 1),
             "oracle on the 20 query labels (the table's)": row(observed.argmin(1) + 1),
             "oracle on the expected MSE (any rule)": row(expected.argmin(1) + 1)}
-    distance = posterior_distance(sm.model, sm.policy, batches) if getattr(sm.policy, "posterior", None) else None
+    distance = posterior_distance(own, sm.policy, batches) if getattr(sm.policy, "posterior", None) else None
     if distance is not None:  # rules on the learned posterior-mean estimate (model.policy_posterior: true)
         rows["nearest step to the posterior estimate, after all T steps"] = row(distance.argmin(1) + 1)
         for patience, margin in ((2, 0.05), (3, 0.0)):
@@ -175,10 +183,11 @@ def main(argv=None) -> dict:
         print(f"| {name} | {a:.3f} | {b:.3f} | {s:.2f} |")
 
     def swept(scores: torch.Tensor) -> list[tuple[float, float]]:
-        """Thresholds at 400 quantiles of the scores' own values (each rule's whole range of depths)."""
+        """Thresholds at 400 quantiles of the scores' own values (each rule's whole range of depths); the metric of
+        what the stop model answers at the stop step."""
         levels = torch.quantile(scores.flatten().double(), torch.linspace(0, 1, 400, dtype=torch.double))
         pts = [first_crossing(scores, float(c)) for c in levels]
-        return sorted((float(t.float().mean()), _at(expected, t)) for t in pts)
+        return sorted((float(t.float().mean()), _at(said[1], t)) for t in pts)
 
     curves = {"policy, quantile": swept(policy_scores(logits, "quantile")),
               "policy, threshold": swept(policy_scores(logits, "threshold")),
@@ -197,7 +206,7 @@ def main(argv=None) -> dict:
     for name, c in curves.items():
         table[name] = [_interp(c, x) for x in at]
         print(f"| {name} | " + " | ".join("-" if v is None else f"{v:.3f}" for v in table[name]) + " |")
-    f, p = rows[f"fixed {depth} (best on validation)"], rows["policy, quantile 0.5"]
+    f, p = rows[f"fixed {depth} (best on validation)"], rows[policy_name]
     closed = {}
     for name, i in (("oracle on the 20 query labels (the table's)", 0), ("oracle on the expected MSE (any rule)", 1),
                     ("Bayes stop (support only)", 1)):

@@ -10,7 +10,8 @@ from learn2stop.tasks import get_task
 from learn2stop.tasks.maml.app import PRESETS, MAMLConfig
 from learn2stop.utils.config import ConfigError, resolve
 
-TINY = ["--maml.iterations", "4", "--stage1.iterations", "4", "--stage2.iterations", "4", "--maml.batch_size", "3",
+TINY = ["--maml.iterations", "4", "--stage1.iterations", "4", "--stage2.iterations", "4", "--posterior.iterations", "4",
+        "--posterior.batch_size", "3", "--maml.batch_size", "3",
         "--stage1.batch_size", "3", "--stage2.batch_size", "3", "--eval.tasks", "12", "--eval.val_tasks", "6",
         "--eval.chunk", "6", "--no-progress"]
 

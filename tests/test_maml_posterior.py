@@ -55,9 +55,13 @@ def test_the_estimate_is_computed_once_per_rollout_and_again_only_when_the_batch
     with torch.no_grad():
         Counting.calls = 0
         sm.policy(inputs, out, 1)
-        assert Counting.calls == 1  # another grad mode: computed again
-        sm.policy(inputs, out, 1)
-        assert Counting.calls == 1
+        assert Counting.calls == 0  # one computed with gradients serves a request without
+    fresh = {k: v.clone() for k, v in inputs.items()}
+    with torch.no_grad():
+        sm.policy(fresh, out, 1)
+        assert Counting.calls == 1  # new input tensors: computed again, without gradients
+    assert sm.policy.auxiliary_loss(fresh, target).requires_grad and Counting.calls == 2  # wanted with them: again
+    with torch.no_grad():
         Counting.calls = 0
         e = sm(inputs)  # real early exit: new input tensors only where rows stopped
     assert Counting.calls <= len(set(e.stop_times.tolist())) and e.stop_times.max() <= 4
@@ -127,10 +131,10 @@ def test_a_checkpoint_loads_only_into_the_policy_it_was_trained_as():
 
 
 def test_the_option_is_for_regression_and_named_when_misused():
-    assert not preset("quick").model.policy_posterior  # off by default: the per-step policy did not gain from it
-    on = preset("quick", model={"policy_posterior": True})
-    assert on.model.policy_posterior and build(on, None)[1].policy.posterior is not None
-    assert build(preset("quick"), None)[1].policy.posterior is None
+    assert preset("quick").model.policy_posterior and not preset("paper").model.policy_posterior  # on for sinusoids
+    off = preset("quick", model={"policy_posterior": False, "answer": "last"})
+    assert build(preset("quick"), None)[1].policy.posterior is not None
+    assert build(off, None)[1].policy.posterior is None
     with pytest.raises(ConfigError, match="policy_posterior"):
         preset("quick", model={"policy_posterior": "sometimes"})
     with pytest.raises(ConfigError, match="model.policy_posterior"):

@@ -16,17 +16,20 @@ from typing import Any
 
 import torch
 
+import torch.nn.functional as F
+
 from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, ToleranceSignal
+from ...core.rules import PatienceSignal
 from ...core.evaluation import collect_trace, evaluate_rule
 from ...core.objectives import stage_field
 from ...core.rules import FixedDepth
-from ...core.pipeline import Stage, StoppingApp, check_config, deployed_rule, load_stage
+from ...core.pipeline import Stage, StoppingApp, check_config, deployed_rule, load_stage, signal_key
 from ...core.trainer import derive_seed
 from ...utils.config import ints_at_least, preset_config, require, to_dict
 from ...utils.report import write_json
 from ..base import RunContext, TaskSpec, as_run, register_task, reproduce_pipeline, train_pipeline
 from .losses import query_metric
-from .models import ModelConfig, build, loss_kind, step_view
+from .models import ModelConfig, build, loss_kind, meta_learner, step_view
 from .task import (Data, DataConfig, MetaLearningTask, fixed_batches, plot_stop_by_shot, results_markdown,
                    stop_steps_by_shot, summarize, to_device)
 
@@ -59,7 +62,10 @@ class MAMLConfig:
     inference: the test-time stop rule (replaced by ``calibration.json`` once a run is calibrated).
     maml: the baseline, trained on the query loss after all T inner steps (stage ``baseline``).
     stage1: MAML-stop's meta-learner (sampled Stage I with the no-grad pass and recompute, App. B.2).
-    stage2: the stopping policy fitted to the oracle with theta frozen.
+    posterior: with ``model.policy_posterior``, the policy's posterior-mean estimate alone (objective
+        ``auxiliary``: regression on the query targets, no inner loop) on fresh training tasks, between Stage I and
+        Stage II; without it the stage is not run.
+    stage2: the stopping policy fitted to the oracle with theta frozen (and the estimate trained on).
     """
 
     #: only the test-time rule is read-only here: ``eval`` fixes the validation tasks training selects on
@@ -74,6 +80,8 @@ class MAMLConfig:
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     maml: StageConfig = _stage(objective="deep_supervision")
     stage1: StageConfig = _stage(objective="stage1", variant="sampled", recompute=True)
+    posterior: StageConfig = _stage(objective="auxiliary", iterations=6000, batch_size=64, lr_schedule="step",
+                                    lr_decay_at=(0.7,), eval_every=3000, checkpoint_every=1000)
     stage2: StageConfig = _stage(objective="stage2", variant="map", iterations=5000)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
@@ -81,6 +89,8 @@ class MAMLConfig:
         require(self.maml.objective == "deep_supervision", "maml.objective",
                 f"the MAML baseline trains on the last step: must be deep_supervision; got {self.maml.objective!r}")
         require(self.stage1.objective == "stage1", "stage1.objective", f"must be stage1; got {self.stage1.objective!r}")
+        require(self.posterior.objective == "auxiliary", "posterior.objective",
+                f"the estimate trains alone: must be auxiliary; got {self.posterior.objective!r}")
         require(self.stage2.objective in ("stage2", "stage3"), "stage2.objective",
                 f"must be stage2 (or stage3 to fine-tune both); got {self.stage2.objective!r}")
         require(self.model.inner_steps >= 2, "model.inner_steps", "a stopping policy needs T >= 2 steps")
@@ -94,11 +104,13 @@ class MAMLConfig:
 _ITERS = lambda n, b, every: {"iterations": n, "batch_size": b, "eval_every": every, "checkpoint_every": every}
 
 PRESETS: dict[str, dict] = {
-    # ~6 minutes on one CPU thread, no data: task-imbalanced sinusoid regression, 1-10 shots, noisy support.
+    # ~12 minutes on one CPU thread, no data: task-imbalanced sinusoid regression, 1-10 shots, noisy support.
     "quick": {
         "data": {"source": "sinusoid", "path": "", "n_way": 1, "k_min": 1, "k_max": 10, "query_per_class": 20,
                  "rotations": False, "noise": 1.0},
-        "model": {"network": "mlp", "hidden": 40, "inner_steps": 10, "inner_lr": 0.02},
+        # a stop answers with the step so far nearest a learned posterior-mean estimate (trained in its own stage)
+        "model": {"network": "mlp", "hidden": 40, "inner_steps": 10, "inner_lr": 0.02, "policy_posterior": True,
+                  "answer": "nearest"},
         "method": {"beta": 0.05, "price": 0.3},  # price: 10 inner steps cost 0.3 of query MSE
         "maml": {**_ITERS(3000, 25, 250), "lr": 1e-3},
         "stage1": {**_ITERS(3000, 25, 250), "lr": 1e-3},
@@ -151,9 +163,15 @@ class MAMLApp(StoppingApp):
                                 val_batches=self._fixed(cfg, "val"))
 
     def stages(self, cfg: MAMLConfig) -> list[Stage]:
-        return [Stage("baseline", "baseline", cfg.maml, describe="MAML: query loss after all T inner steps"),
-                Stage("stage1", "stop", cfg.stage1, describe="MAML-stop Stage I (meta-learner, t ~ q*)"),
-                Stage("stage2", "stop", cfg.stage2, describe="MAML-stop Stage II (policy)")]
+        out = [Stage("baseline", "baseline", cfg.maml, describe="MAML: query loss after all T inner steps"),
+               Stage("stage1", "stop", cfg.stage1, describe="MAML-stop Stage I (meta-learner, t ~ q*)")]
+        if cfg.model.policy_posterior:
+            out.append(Stage("posterior", "stop", cfg.posterior,
+                             describe="MAML-stop's posterior-mean estimate (regression on query targets)"))
+        answers = cfg.model.answer != "last"
+        out.append(Stage("stage2", "stop", cfg.stage2, before=_start_answering if answers else None,
+                         describe="MAML-stop Stage II (policy" + (", on the kept answers)" if answers else ")")))
+        return out
 
     def _fixed(self, cfg: MAMLConfig, split: str) -> list:
         """Fixed CPU task batches of a split, drawn once with a seed of their own."""
@@ -176,8 +194,14 @@ class MAMLApp(StoppingApp):
         return Metric("accuracy (%)", per_task, lower_is_better=False, aggregate=lambda v, ex: 100 * v.double().mean())
 
     def classical_signals(self, cfg: MAMLConfig) -> dict:
-        """The tolerance rule on the support loss: stop once an inner step changes it little."""
-        return {"tolerance": lambda: ToleranceSignal(key=lambda out: out["support_loss"][:, None])}
+        """The tolerance rule on the support loss: stop once an inner step changes it little. With a kept answer
+        (``model.answer: nearest``) also patience on it: stop once the kept answer has not changed for k steps
+        (early stopping that restores the best step)."""
+        out = {"tolerance": lambda: ToleranceSignal(key=lambda out: out["support_loss"][:, None])}
+        if cfg.model.answer != "last":
+            T = cfg.model.inner_steps
+            out["patience"] = lambda: PatienceSignal(key=lambda o: F.one_hot(o["answer_step"], T + 1))
+        return out
 
     def risk_losses(self, cfg: MAMLConfig, trace) -> tuple[torch.Tensor, tuple[float, float] | None]:
         losses, _ = super().risk_losses(cfg, trace)
@@ -185,6 +209,11 @@ class MAMLApp(StoppingApp):
 
 
 APP = MAMLApp()
+
+
+def _start_answering(models: dict, app: MAMLApp, cfg: MAMLConfig, run) -> None:
+    """Stage II's hook: from here on MAML-stop answers with its kept answer (the estimate is trained)."""
+    models["stop"].model.answering = True
 
 
 
@@ -213,8 +242,9 @@ def evaluate(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
     result: dict[str, Any] = {"metric": metric.name, "lower_is_better": metric.lower_is_better, "rule": desc}
     if cfg.eval.per_step:
         maml_steps = collect_trace(step_view(base, cfg), batches, metric, dev).metric  # (N, T) per-task metric
-        stop_steps = collect_trace(stop.model, batches, metric, dev).metric  # (N, T)
-        val_steps = collect_trace(stop.model, APP.eval_batches(cfg, "val", dev), metric, dev).metric
+        own = meta_learner(stop)  # the meta-learner's own steps (not a kept answer): the table's rows
+        stop_steps = collect_trace(own, batches, metric, dev).metric  # (N, T)
+        val_steps = collect_trace(own, APP.eval_batches(cfg, "val", dev), metric, dev).metric
         result["per_step"] = {"maml": [summarize(maml_steps[:, t], scale)["mean"] for t in range(T)],
                               "maml_stop": [summarize(stop_steps[:, t], scale)["mean"] for t in range(T)]}
         maml_last = maml_steps[:, -1]
@@ -223,7 +253,9 @@ def evaluate(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
     rows = {f"MAML ({T} steps)": summarize(maml_last, scale), "MAML-stop (learned stop)": summarize(learned["values"], scale)}
     if desc.startswith("calibrated") and not cfg.inference.sampled:  # the configured rule as a second operating point
         inf = cfg.inference
-        other = evaluate_rule(stop.model, batches, lambda: inf.make_rule(stop.policy, gen), metric, dev, runner=run.runner)
+        key = signal_key(APP, cfg, inf.rule)
+        other = evaluate_rule(stop.model, batches, lambda: inf.make_rule(stop.policy, gen, key), metric, dev,
+                              runner=run.runner)
         rows[f"MAML-stop ({inf.rule} {inf.param:g}, {other['mean_steps']:.2f} steps)"] = summarize(other["values"], scale)
     if cfg.eval.per_step:
         sign = 1.0 if metric.lower_is_better else -1.0

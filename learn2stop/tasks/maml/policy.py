@@ -72,8 +72,11 @@ class MAMLStopPolicy(nn.Module):
       - with ``posterior`` (regression): log of the mean squared distance of the step's query predictions to a
         learned estimate of the query targets' mean given the support (:class:`PosteriorPredictive`), computed once
         per rollout from the inputs alone (again only when the batch itself changes) and trained by its own
-        regression loss in Stage II (:meth:`auxiliary_loss`); the stop decision does not train it.
-    -> Linear(3 * dim + 3 (+1), 128) -> ELU -> Linear(128, 1).
+        regression loss (:meth:`auxiliary_loss`: MAML-stop's ``posterior`` stage, then Stage II); the stop decision
+        does not train it.
+      - with ``answer`` (a kept answer, :class:`~learn2stop.tasks.maml.models.AnsweringMAML`): the log distance of the
+        kept answer to the estimate and how many steps ago (/ T) it was made.
+    -> Linear(3 * dim + 3 (+1) (+2), 128) -> ELU -> Linear(128, 1).
 
     Why joint: on the quick sinusoid preset, at 3 inner steps, the joint policy's quantile rule reaches 1.545 expected
     query MSE where the separate one reached 1.594, a fixed depth 1.687, and a stop that knows the task family (the
@@ -86,12 +89,14 @@ class MAMLStopPolicy(nn.Module):
         inputs: ``"joint"`` or ``"separate"`` (above); a checkpoint loads as the one it was trained as.
         posterior: read the distance to the posterior-mean estimate (regression only; ``in_dim``: the size of an
             input x). Off by default (``model.policy_posterior``).
+        answer: also read the kept answer (needs ``posterior``; ``model.answer: nearest``).
     """
 
     INPUTS = ("joint", "separate")
 
     def __init__(self, feat_dim: int, out_dim: int, num_steps: int, classification: bool = True, dim: int = 64,
-                 hidden: int = 128, inputs: str = "joint", posterior: bool = False, in_dim: int | None = None):
+                 hidden: int = 128, inputs: str = "joint", posterior: bool = False, in_dim: int | None = None,
+                 answer: bool = False):
         super().__init__()
         if inputs not in self.INPUTS:
             raise ValueError(f"inputs must be one of {', '.join(self.INPUTS)}; got {inputs!r}")
@@ -102,27 +107,39 @@ class MAMLStopPolicy(nn.Module):
         self.feat_dim, self.dim = feat_dim, dim
         self.support_set = DeepSet(feat_dim, dim)
         self._build_sets(inputs)
+        if answer and not posterior:
+            raise ValueError("answer: a kept answer is chosen by the posterior-mean estimate; set posterior=True")
         self.posterior = PosteriorPredictive(in_dim, out_dim) if posterior else None
-        self.head = nn.Sequential(nn.Linear(3 * dim + 3 + int(posterior), hidden), nn.ELU(), nn.Linear(hidden, 1))
-        self._cached = None  # (support_x, query_x, support_y, grad enabled, weight versions, mean): one rollout's
+        self.answer = answer
+        extra = int(posterior) + 2 * int(answer)
+        self.head = nn.Sequential(nn.Linear(3 * dim + 3 + extra, hidden), nn.ELU(), nn.Linear(hidden, 1))
+        self._cached = None  # (support_x, query_x, support_y, weight versions, with gradients, mean): one rollout's
         self.register_load_state_dict_pre_hook(self._match_checkpoint)
 
     def posterior_mean(self, inputs: dict) -> Tensor:
         """(B, Q, out) the estimate of the query targets' mean given the support, computed once per batch of inputs:
         a rollout asks at every step with the same input tensors (the loop hands on new ones only when rows
-        stop), so it is kept until the inputs, the grad mode or a weight change."""
-        key = (inputs["support_x"], inputs["query_x"], inputs["support_y"], torch.is_grad_enabled(),
+        stop), so it is kept until the inputs or a weight change, or until it is wanted with gradients and was
+        computed without."""
+        key = (inputs["support_x"], inputs["query_x"], inputs["support_y"],
                tuple(p._version for p in self.posterior.parameters()))
-        c = self._cached
-        if c is None or any(a is not b for a, b in zip(c[:3], key[:3])) or c[3:5] != key[3:]:
+        grad, c = torch.is_grad_enabled(), self._cached
+        if (c is None or any(a is not b for a, b in zip(c[:3], key[:3])) or c[3] != key[3]
+                or (grad and not c[4])):
             mean = self.posterior(inputs["support_x"], inputs["support_y"], inputs["support_mask"], inputs["query_x"])
-            self._cached = c = (*key, mean)
-        return c[5]
+            self._cached = c = (*key, grad, mean)
+        return c[5] if grad else c[5].detach()
+
+    def prediction_distance(self, inputs: dict, pred: Tensor) -> Tensor:
+        """(B,) the mean squared distance of query predictions (B, Q, out) to the posterior-mean estimate, without
+        gradients: what the stop logit reads, the Bayes stop minimises over the steps, and MAML's kept answer
+        (:class:`~learn2stop.tasks.maml.models.AnsweringMAML`) is chosen by."""
+        return (pred.detach() - self.posterior_mean(inputs).detach()).pow(2).flatten(1).mean(dim=1)
 
     def posterior_distance(self, inputs: dict, output: dict) -> Tensor:
-        """(B,) the mean squared distance of a step's query predictions to the posterior-mean estimate, detached: what
-        the stop logit reads (and the Bayes stop minimises over the steps)."""
-        return (output["pred"].detach() - self.posterior_mean(inputs).detach()).pow(2).flatten(1).mean(dim=1)
+        """(B,) :meth:`prediction_distance` of a step's own query predictions (``step_pred`` where the output is a
+        kept answer, else ``pred``)."""
+        return self.prediction_distance(inputs, output.get("step_pred", output["pred"]))
 
     def auxiliary_loss(self, inputs: dict, target: Tensor) -> Tensor | None:
         """Stage II's second term: the posterior-mean estimate's squared error on the query targets (None without
@@ -149,15 +166,21 @@ class MAMLStopPolicy(nn.Module):
         residual = pred - target
         sf, qf = output["support_feats"].detach(), output["query_feats"].detach()
         if self.inputs == "joint":
-            qp = output["pred"].detach()
+            qp = output.get("step_pred", output["pred"]).detach()
             qf = torch.cat([qf, torch.softmax(qp, dim=-1) if self.classification else qp], dim=-1)
             residual = torch.cat([sf, target, pred, residual], dim=-1)
         columns = [torch.log1p(output["support_loss"].detach()),
                    torch.full_like(mask[:, 0], t / self.num_steps),
                    torch.log(inputs["shots"].to(mask)) / math.log(10.0)]
         if self.posterior is not None:  # how far this step's function is from the estimated posterior mean
-            columns.append(torch.log(self.posterior_distance(inputs, output) + 1e-3))
-        scalars = torch.stack(columns, dim=1)  # (B, 3 or 4)
+            now = self.posterior_distance(inputs, output)
+            columns.append(torch.log(now + 1e-3))
+        if self.answer:  # the kept answer: how far it is, and how many steps ago it was made (none kept: this step)
+            kept = output.get("answer_score")
+            columns.append(torch.log((now if kept is None else kept.to(now)) + 1e-3))
+            columns.append(torch.zeros_like(now) if kept is None else
+                           (t - output["answer_step"]).to(now) / self.num_steps)
+        scalars = torch.stack(columns, dim=1)  # (B, 3 + posterior + 2 answer)
         h = torch.cat([self.support_set(sf, mask),
                        self.query_set(qf, qf.new_ones(qf.shape[:2])),
                        self.residual_set(residual, mask), scalars], dim=1)
