@@ -144,6 +144,10 @@ def test_a_run_answers_from_stage2_on_and_rules_read_their_part_of_the_output(tm
     assert not load_stage(APP, cfg, run, "posterior").model.answering
     sm = load_stage(APP, cfg, run, "stage2")
     assert sm.model.answering
+    estimate = load_stage(APP, cfg, run, "posterior").policy.posterior
+    assert all(torch.equal(a, b) for a, b in zip(estimate.parameters(), sm.policy.posterior.parameters()))
+    assert all("aux_loss" not in json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+               if json.loads(line).get("stage") == "stage2")  # Stage II keeps the estimate of its own stage
     result = json.loads((run / "results.json").read_text())
     batches = APP.eval_batches(cfg, "test", None)
     own = collect_trace(meta_learner(sm), batches, APP.metric(cfg)).metric

@@ -169,7 +169,7 @@ class MAMLApp(StoppingApp):
             out.append(Stage("posterior", "stop", cfg.posterior,
                              describe="MAML-stop's posterior-mean estimate (regression on query targets)"))
         answers = cfg.model.answer != "last"
-        out.append(Stage("stage2", "stop", cfg.stage2, before=_start_answering if answers else None,
+        out.append(Stage("stage2", "stop", cfg.stage2, before=_stage2_hook if cfg.model.policy_posterior else None,
                          describe="MAML-stop Stage II (policy" + (", on the kept answers)" if answers else ")")))
         return out
 
@@ -211,9 +211,13 @@ class MAMLApp(StoppingApp):
 APP = MAMLApp()
 
 
-def _start_answering(models: dict, app: MAMLApp, cfg: MAMLConfig, run) -> None:
-    """Stage II's hook: from here on MAML-stop answers with its kept answer (the estimate is trained)."""
-    models["stop"].model.answering = True
+def _stage2_hook(models: dict, app: MAMLApp, cfg: MAMLConfig, run) -> None:
+    """Stage II's hook with a posterior-mean estimate: it was trained in its own stage and stays as it is; with a kept
+    answer, MAML-stop answers with it from here on."""
+    sm = models["stop"]
+    sm.policy.fit_estimate = False
+    if cfg.model.answer != "last":
+        sm.model.answering = True
 
 
 
