@@ -331,26 +331,28 @@ def auxiliary(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfig, gene
     policy that learns from the inputs and targets only (MAML's posterior-mean estimate) trained on as many batches
     as it needs, before Stage II fits the stop to the oracle."""
     _need_policy(sm)
-    aux = getattr(sm.policy, "auxiliary_loss", None)
-    loss = aux(inputs, target) if callable(aux) else None
+    loss = _auxiliary_loss(sm, inputs, target)
     if loss is None:
         raise ValueError(f"objective 'auxiliary' trains the policy's auxiliary_loss, but {type(sm.policy).__name__} "
                          "has none (or returned None)")
-    if not bool(torch.isfinite(loss.detach()).all()):
-        raise NonFiniteError(f"the policy's auxiliary loss is non-finite ({float(loss.detach())})")
     return loss, {"aux_loss": float(loss.detach())}
 
 
-def _with_auxiliary(sm: StoppingModel, inputs, target, loss: Tensor, metrics: dict) -> tuple[Tensor, dict]:
-    """The loss plus the policy's own auxiliary loss, if it has one (``policy.auxiliary_loss(inputs, target)``: what a
-    part of the policy learns from the targets besides the stop, e.g. MAML's posterior-mean estimate), logged as
-    ``aux_loss``."""
+def _auxiliary_loss(sm: StoppingModel, inputs, target) -> Tensor | None:
+    """``policy.auxiliary_loss(inputs, target)`` if the policy has one and it gives one (else None), checked finite:
+    what a part of the policy learns from the targets besides the stop, e.g. MAML's posterior-mean estimate."""
     aux = getattr(sm.policy, "auxiliary_loss", None)
-    extra = aux(inputs, target) if callable(aux) else None
+    loss = aux(inputs, target) if callable(aux) else None
+    if loss is not None and not bool(torch.isfinite(loss.detach()).all()):
+        raise NonFiniteError(f"the policy's auxiliary loss is non-finite ({float(loss.detach())})")
+    return loss
+
+
+def _with_auxiliary(sm: StoppingModel, inputs, target, loss: Tensor, metrics: dict) -> tuple[Tensor, dict]:
+    """The loss plus the policy's own auxiliary loss (:func:`_auxiliary_loss`), if any, logged as ``aux_loss``."""
+    extra = _auxiliary_loss(sm, inputs, target)
     if extra is None:
         return loss, metrics
-    if not bool(torch.isfinite(extra.detach()).all()):
-        raise NonFiniteError(f"the policy's auxiliary loss is non-finite ({float(extra.detach())})")
     return loss + extra, {**metrics, "aux_loss": float(extra.detach())}
 
 

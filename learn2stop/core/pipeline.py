@@ -367,12 +367,18 @@ def rule_signal(app: StoppingApp, cfg: Any, sm: StoppingModel, rule: str) -> Sto
     return factory() if factory is not None else make_signal(rule)
 
 
+def calibrated_rule(app: StoppingApp, cfg: Any, sm: StoppingModel, cal: Calibration) -> Any:
+    """A calibration's online rule, on the signal the task's traces scored (:func:`rule_signal`: MAML's tolerance
+    reads the support loss, not the first output leaf)."""
+    return rule_signal(app, cfg, sm, cal.rule).rule(cal.threshold)
+
+
 def signal_key(app: StoppingApp, cfg: Any, rule: str) -> Any:
-    """The part of the output a task's classical rule reads, as its factory builds it (MAML's tolerance: the support
-    loss); None for the other rules. What turns a rule's name (a calibration's, the config's) into the rule the
-    task's traces scored."""
-    factory = app.classical_signals(cfg).get(rule)
-    return getattr(factory(), "key", None) if factory is not None else None
+    """The part of the output a rule reads as the task builds it (:func:`rule_signal`; None: the default part), for
+    the rules built by name elsewhere (:func:`~learn2stop.core.calibration.active_rule`, ``InferenceConfig``)."""
+    if SIGNALS[rule].needs_policy:
+        return None
+    return getattr(rule_signal(app, cfg, None, rule), "key", None)
 
 
 def model_rules(app: StoppingApp, cfg: Any, sm: StoppingModel, first: str | None = None) -> list[str]:
@@ -499,8 +505,7 @@ def _fastest_calibration(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel
                          speed_batch: int | None) -> Calibration:
     """The calibrated rule that runs fastest at batch ``speed_batch`` (:func:`_speeds`); the others' speeds and test
     results recorded with it (``Calibration.chosen_by``)."""
-    speeds, bname, sizes = _speeds(app, cfg, run, {r: (sm.model, lambda c=c: c.make_rule(sm.policy,
-                                                                                        signal_key(app, cfg, c.rule)))
+    speeds, bname, sizes = _speeds(app, cfg, run, {r: (sm.model, lambda c=c: calibrated_rule(app, cfg, sm, c))
                                                    for r, c in cals.items()}, (speed_batch or app.speed_batch,))
     size = next(iter(sizes.values()))
     timed = {r: v[size] for r, v in speeds.items()}
@@ -604,8 +609,7 @@ def deployment_in_time(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, 
     rules = model_rules(app, cfg, sm, first=main)
     cals = _calibrate_each(app, cfg, sm, val, test, rules, calibrate)
     jobs = {"baseline": (base.model, FixedDepth)}
-    jobs.update({r: (sm.model, lambda c=c: c.make_rule(sm.policy, signal_key(app, cfg, c.rule)))
-                 for r, c in cals.items()})
+    jobs.update({r: (sm.model, lambda c=c: calibrated_rule(app, cfg, sm, c)) for r, c in cals.items()})
     speeds, bname, sizes = _speeds(app, cfg, run, jobs, (1, app.speed_batch))
     ref = speeds.get("baseline", {})
     rows = [{"rule": "baseline", "name": f"{app.baseline_label} at full depth"

@@ -15,14 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 import torch.nn.functional as F
 
 from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, ToleranceSignal
-from ...core.rules import PatienceSignal
 from ...core.evaluation import collect_trace, evaluate_rule
 from ...core.objectives import stage_field
-from ...core.rules import FixedDepth
+from ...core.rules import FixedDepth, PatienceSignal
 from ...core.pipeline import Stage, StoppingApp, check_config, deployed_rule, load_stage, signal_key
 from ...core.trainer import derive_seed
 from ...utils.config import ints_at_least, preset_config, require, to_dict
@@ -65,7 +63,7 @@ class MAMLConfig:
     posterior: with ``model.policy_posterior``, the policy's posterior-mean estimate alone (objective
         ``auxiliary``: regression on the query targets, no inner loop) on fresh training tasks, between Stage I and
         Stage II; without it the stage is not run.
-    stage2: the stopping policy fitted to the oracle with theta frozen (and the estimate trained on).
+    stage2: the stopping policy fitted to the oracle with theta frozen (the estimate as its stage left it).
     """
 
     #: only the test-time rule is read-only here: ``eval`` fixes the validation tasks training selects on

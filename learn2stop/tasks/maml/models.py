@@ -305,8 +305,13 @@ class AnsweringMAML(MAMLModel):
                          updates_per_step=self.updates_per_step, task_batching=self.task_batching,
                          inner_grad_clip=self.inner_grad_clip)
 
+    @staticmethod
+    def _fast(state: dict) -> dict:
+        """The fast weights of a state (without the kept answer)."""
+        return {k: v for k, v in state.items() if not k.startswith(ANSWER)}
+
     def step(self, t: int, state: dict, inputs: dict) -> dict:
-        fast = super().step(t, {k: v for k, v in state.items() if not k.startswith(ANSWER)}, inputs)
+        fast = super().step(t, self._fast(state), inputs)
         if not self.answering:
             return fast
         _, frozen = self._split()
@@ -322,13 +327,11 @@ class AnsweringMAML(MAMLModel):
     def readout(self, t: int, state: dict, inputs: dict) -> dict:
         if ANSWER + "now" not in state:
             return super().readout(t, state, inputs)
-        _, frozen = self._split()
         out = {"pred": state[ANSWER + "pred"], "step_pred": state[ANSWER + "now"], "query_feats": state[ANSWER + "feats"],
                "answer_score": state[ANSWER + "score"], "answer_step": state[ANSWER + "step"]}
         if self.policy_features:
-            fast = {k: v for k, v in state.items() if not k.startswith(ANSWER)}
             with torch.no_grad():
-                out.update(self._support_features(fast, frozen, inputs))
+                out.update(self._support_features(self._fast(state), self._split()[1], inputs))
         return out
 
 
@@ -343,7 +346,7 @@ class ModelConfig:
     late inner steps from diverging when Stage I rarely trains them. 0 is the paper's unbounded step.
     policy_posterior: the stopping policy also reads each step's distance to a learned posterior-mean estimate of
     the query targets (:class:`~learn2stop.tasks.maml.policy.PosteriorPredictive`; regression only), trained alone in
-    the ``posterior`` stage, then beside the policy in Stage II. Off by default (Omniglot, MiniImagenet); on in the
+    the ``posterior`` stage and left as it is by Stage II. Off by default (Omniglot, MiniImagenet); on in the
     quick (sinusoid) preset.
     answer: ``"last"``: a stop at step t answers with step t's prediction; ``"nearest"``: with the prediction of the
     step s <= t nearest the posterior-mean estimate (:class:`AnsweringMAML`, from Stage II on; needs

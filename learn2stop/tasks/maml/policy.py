@@ -72,8 +72,8 @@ class MAMLStopPolicy(nn.Module):
       - with ``posterior`` (regression): log of the mean squared distance of the step's query predictions to a
         learned estimate of the query targets' mean given the support (:class:`PosteriorPredictive`), computed once
         per rollout from the inputs alone (again only when the batch itself changes) and trained by its own
-        regression loss (:meth:`auxiliary_loss`: MAML-stop's ``posterior`` stage, then Stage II); the stop decision
-        does not train it.
+        regression loss (:meth:`auxiliary_loss`, in MAML-stop's ``posterior`` stage); the stop decision does not
+        train it.
       - with ``answer`` (a kept answer, :class:`~learn2stop.tasks.maml.models.AnsweringMAML`): the log distance of the
         kept answer to the estimate and how many steps ago (/ T) it was made.
     -> Linear(3 * dim + 3 (+1) (+2), 128) -> ELU -> Linear(128, 1).
@@ -112,7 +112,8 @@ class MAMLStopPolicy(nn.Module):
         self.posterior = PosteriorPredictive(in_dim, out_dim) if posterior else None
         self.answer = answer
         #: whether :meth:`auxiliary_loss` trains the estimate (MAML-stop turns it off in Stage II once the estimate
-        #: has had its own stage: Stage II's learning rate and batches undid part of it, 0.47 -> 0.52-0.67)
+        #: has had its own stage: on the quick preset Stage II's learning rate and batches undid part of it, its loss
+        #: going from 0.47 back up to 1.23, then 0.52-0.93)
         self.fit_estimate = True
         extra = int(posterior) + 2 * int(answer)
         self.head = nn.Sequential(nn.Linear(3 * dim + 3 + extra, hidden), nn.ELU(), nn.Linear(hidden, 1))
@@ -145,8 +146,9 @@ class MAMLStopPolicy(nn.Module):
         return self.prediction_distance(inputs, output.get("step_pred", output["pred"]))
 
     def auxiliary_loss(self, inputs: dict, target: Tensor) -> Tensor | None:
-        """Stage II's second term: the posterior-mean estimate's squared error on the query targets (None without
-        one). It trains only :class:`PosteriorPredictive`; the stop logits read it detached."""
+        """The posterior-mean estimate's squared error on the query targets (None without one, or once
+        ``fit_estimate`` is off): the ``auxiliary`` objective's loss, and a second term of Stage II / III while
+        ``fit_estimate`` is on. It trains only :class:`PosteriorPredictive`; the stop logits read it detached."""
         if self.posterior is None or not self.fit_estimate:
             return None
         return F.mse_loss(self.posterior_mean(inputs), target)
