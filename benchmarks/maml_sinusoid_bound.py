@@ -3,8 +3,10 @@
     python benchmarks/maml_sinusoid_bound.py --run-dir runs/maml-quick      # a trained sinusoid run (reproduce)
     python benchmarks/maml_sinusoid_bound.py --tiny                         # random weights, 20 tasks (the test)
 
-A run trained with ``--model.policy_posterior true`` adds the rules that read its policy's learned posterior-mean
-estimate: the step nearest to it after all T steps, and early stopping that restores the best step so far.
+A run with a learned posterior-mean estimate (``model.policy_posterior``, the quick preset's since d02f480) adds the
+rules that read it: the step nearest to it after all T steps, and early stopping that restores the best step so far.
+Where the run answers with the kept step (``model.answer: nearest``) the policy's rows and curves read what it answers
+(their step is the step run); the other rows read the meta-learner's own steps.
 
 The MAML-stop table compares the policy with the *oracle step*, which picks each task's step on that task's own 20
 query labels. This script says how much of that a rule that sees no query label could have, on the run's test tasks:
