@@ -102,7 +102,7 @@ class MAMLConfig:
 _ITERS = lambda n, b, every: {"iterations": n, "batch_size": b, "eval_every": every, "checkpoint_every": every}
 
 PRESETS: dict[str, dict] = {
-    # ~12 minutes on one CPU thread, no data: task-imbalanced sinusoid regression, 1-10 shots, noisy support.
+    # ~10 minutes on one CPU thread, no data: task-imbalanced sinusoid regression, 1-10 shots, noisy support.
     "quick": {
         "data": {"source": "sinusoid", "path": "", "n_way": 1, "k_min": 1, "k_max": 10, "query_per_class": 20,
                  "rotations": False, "noise": 1.0},
