@@ -30,7 +30,7 @@ def answering(T=5, on=True):
     net = MLP(hidden=8)
     policy = MAMLStopPolicy(net.feat_dim, 1, T, classification=False, dim=8, hidden=16, posterior=True, in_dim=1,
                             answer=True)
-    model = AnsweringMAML(net, T, 0.3, loss="mse", policy_features=True, score=policy.prediction_distance)
+    model = AnsweringMAML(net, T, 0.3, loss="mse", policy_features=True, estimate=policy.posterior_mean)
     model.answering = on
     return StoppingModel(model, policy)
 
@@ -74,6 +74,34 @@ def test_early_exit_answers_what_the_trace_has_at_the_stop_step():
         full = unroll(sm.model, inputs, keep_outputs=True, model_grad=False).step_outputs
     want = torch.stack([full[int(t) - 1]["pred"][b] for b, t in enumerate(times)])
     torch.testing.assert_close(r.outputs["pred"], want)
+
+
+def test_the_estimate_rides_in_the_state_once_per_rollout_under_early_exit():
+    from learn2stop.tasks.maml.policy import PosteriorPredictive
+
+    class Counting(PosteriorPredictive):
+        calls = 0
+
+        def forward(self, *args):
+            type(self).calls += 1
+            return super().forward(*args)
+
+    sm = answering()
+    sm.policy.posterior.__class__ = Counting
+    inputs, _ = sinusoids(10, seed=3)
+    times = torch.tensor([1, 2, 3, 4, 5, 5, 4, 3, 2, 1])
+    with torch.no_grad():
+        Counting.calls = 0
+        r = run_with_early_exit(sm.model, inputs, StopAtTimes(times))
+        assert Counting.calls == 1  # rows that stop take their slice of it; the others never recompute it
+        rule = InferenceConfig(rule="threshold", param=0.55).make_rule(sm.policy)  # asked on the running rows
+        e = run_with_early_exit(sm.model, {k: v.clone() for k, v in inputs.items()}, rule)
+        assert Counting.calls == 2 and len(set(e.stop_times.tolist())) > 1  # new inputs: once more, and only once
+        full = unroll(sm.model, inputs, keep_outputs=True, model_grad=False).step_outputs
+    # the policy reads the step's score the model computed, equal to computing it from the inputs
+    for out in full:
+        torch.testing.assert_close(out["step_score"], sm.policy.prediction_distance(inputs, out["step_pred"]))
+    torch.testing.assert_close(r.outputs["pred"], torch.stack([full[int(t) - 1]["pred"][b] for b, t in enumerate(times)]))
 
 
 def test_the_policy_reads_the_kept_answer():

@@ -29,7 +29,7 @@ from ...core.trainer import derive_seed
 from ...utils.config import ints_at_least, non_negative, one_of, positive, require
 from ...utils.registry import Registry
 from .losses import masked_mean, per_example_loss, query_loss, query_metric
-from .policy import MAMLStopPolicy
+from .policy import MAMLStopPolicy, squared_distance
 
 NETWORKS: Registry[type] = Registry("MAML network")
 #: default bound on a task's inner gradient norm (ModelConfig.inner_grad_clip)
@@ -272,12 +272,15 @@ ANSWER = "answer."
 
 
 class AnsweringMAML(MAMLModel):
-    """MAML whose answer after t steps is the query prediction of the step s <= t that a label-free score likes best.
+    """MAML whose answer after t steps is the query prediction of the step s <= t nearest a label-free estimate.
 
-    Early stopping that restores the best step, as a step-wise model: every step scores its query prediction with
-    ``score(inputs, pred) -> (B,)`` (lower is better; MAML-stop's: the distance to the policy's posterior-mean
-    estimate, :meth:`~learn2stop.tasks.maml.policy.MAMLStopPolicy.prediction_distance`) and the state keeps, per
-    task, the best prediction so far. A rule that stops at step t answers with it, so every rule, trace, calibration
+    Early stopping that restores the best step, as a step-wise model: ``estimate(inputs) -> (B, Q, out)`` estimates
+    the query targets from the support alone (MAML-stop's: the policy's posterior-mean estimate,
+    :meth:`~learn2stop.tasks.maml.policy.MAMLStopPolicy.posterior_mean`); every step scores its query prediction by
+    its mean squared distance to it (:func:`~learn2stop.tasks.maml.policy.squared_distance`, lower is better) and the
+    state keeps, per task, the best prediction so far. The estimate is computed once per rollout, in
+    :meth:`initial_state`, and rides in the state: rows that stop leave with their slice of it, so early exit never
+    computes it again for the rows still running. A rule that stops at step t answers with it, so every rule, trace, calibration
     and frontier of the core reads the kept answer unchanged (a patience rule on it is the classical "stop when the
     best has not changed for k steps").
 
@@ -285,12 +288,13 @@ class AnsweringMAML(MAMLModel):
     its own steps, before the score is trained; MAML-stop turns it on for Stage II (``model.answer: nearest``).
 
     Output at step t when answering: ``pred`` the kept answer, ``step_pred`` this step's own prediction,
-    ``answer_score`` (B,) its score, ``answer_step`` (B,) the step it came from, and the policy features of this step.
+    ``step_score`` (B,) its score, ``answer_score`` (B,) the kept answer's score, ``answer_step`` (B,) the step it came
+    from, and the policy features of this step.
     """
 
-    def __init__(self, *args, score: Callable[[dict, Tensor], Tensor], **kw):
+    def __init__(self, *args, estimate: Callable[[dict], Tensor], **kw):
         super().__init__(*args, **kw)
-        self.score = score
+        self.estimate = estimate
         self.answering = False
 
     def get_extra_state(self) -> dict:
@@ -310,6 +314,12 @@ class AnsweringMAML(MAMLModel):
         """The fast weights of a state (without the kept answer)."""
         return {k: v for k, v in state.items() if not k.startswith(ANSWER)}
 
+    def initial_state(self, inputs: dict) -> dict:
+        state = super().initial_state(inputs)
+        if self.answering:  # once per rollout; the score reads it without gradients
+            state[ANSWER + "estimate"] = self.estimate(inputs).detach()
+        return state
+
     def step(self, t: int, state: dict, inputs: dict) -> dict:
         fast = super().step(t, self._fast(state), inputs)
         if not self.answering:
@@ -317,18 +327,21 @@ class AnsweringMAML(MAMLModel):
         _, frozen = self._split()
         qx = inputs["query_x"]
         pred, qfeat = self._forward_tasks(fast, frozen, qx, qx.new_ones(qx.shape[:2]), inputs)
-        score = self.score(inputs, pred).detach()
+        estimate = state[ANSWER + "estimate"] if ANSWER + "estimate" in state else self.estimate(inputs).detach()
+        score = squared_distance(pred, estimate)
         kept = {"pred": pred, "score": score, "step": torch.full_like(score, t, dtype=torch.long)}
         if ANSWER + "score" in state:  # a later step replaces the kept answer only where it scores strictly better
             better = score < state[ANSWER + "score"]
             kept = {k: torch.where(better.view(-1, *[1] * (v.dim() - 1)), v, state[ANSWER + k]) for k, v in kept.items()}
-        return {**fast, **{ANSWER + k: v for k, v in kept.items()}, ANSWER + "now": pred, ANSWER + "feats": qfeat}
+        return {**fast, **{ANSWER + k: v for k, v in kept.items()}, ANSWER + "estimate": estimate,
+                ANSWER + "now": pred, ANSWER + "now_score": score, ANSWER + "feats": qfeat}
 
     def readout(self, t: int, state: dict, inputs: dict) -> dict:
         if ANSWER + "now" not in state:
             return super().readout(t, state, inputs)
         out = {"pred": state[ANSWER + "pred"], "step_pred": state[ANSWER + "now"], "query_feats": state[ANSWER + "feats"],
-               "answer_score": state[ANSWER + "score"], "answer_step": state[ANSWER + "step"]}
+               "step_score": state[ANSWER + "now_score"], "answer_score": state[ANSWER + "score"],
+               "answer_step": state[ANSWER + "step"]}
         if self.policy_features:
             with torch.no_grad():
                 out.update(self._support_features(self._fast(state), self._split()[1], inputs))
@@ -405,7 +418,7 @@ def build(cfg, device, *, seed_offset: str = "") -> tuple[StoppingModel, Stoppin
     maml = StoppingModel(MAMLModel(net, 1, m.inner_lr, m.first_order, loss, updates_per_step=T, inner_grad_clip=clip))
     kind, kw = MAMLModel, {}
     if m.answer == "nearest":
-        kind, kw = AnsweringMAML, {"score": policy.prediction_distance}
+        kind, kw = AnsweringMAML, {"estimate": policy.posterior_mean}
     stop = StoppingModel(kind(net_stop, T, m.inner_lr, m.first_order, loss, policy_features=True,
                               inner_grad_clip=clip, **kw), policy)
     return maml.to(device), stop.to(device)

@@ -8,6 +8,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+def squared_distance(pred: Tensor, estimate: Tensor) -> Tensor:
+    """(B,) the mean squared distance of query predictions (B, Q, out) to an estimate of their targets, without
+    gradients: the score of MAML's kept answer and what the stop logit reads."""
+    return (pred.detach() - estimate.detach()).pow(2).flatten(1).mean(dim=1)
+
+
 class DeepSet(nn.Module):
     """Permutation-invariant set embedding rho(mean_i softplus(phi(x_i))) over the unmasked elements."""
 
@@ -138,12 +144,14 @@ class MAMLStopPolicy(nn.Module):
         """(B,) the mean squared distance of query predictions (B, Q, out) to the posterior-mean estimate, without
         gradients: what the stop logit reads, the Bayes stop minimises over the steps, and MAML's kept answer
         (:class:`~learn2stop.tasks.maml.models.AnsweringMAML`) is chosen by."""
-        return (pred.detach() - self.posterior_mean(inputs).detach()).pow(2).flatten(1).mean(dim=1)
+        return squared_distance(pred, self.posterior_mean(inputs))
 
     def posterior_distance(self, inputs: dict, output: dict) -> Tensor:
-        """(B,) :meth:`prediction_distance` of a step's own query predictions (``step_pred`` where the output is a
-        kept answer, else ``pred``)."""
-        return self.prediction_distance(inputs, output.get("step_pred", output["pred"]))
+        """(B,) :meth:`prediction_distance` of a step's own query predictions: the model's ``step_score`` where it
+        answers with a kept answer (it scored the step already, from the estimate in its state), else computed."""
+        if "step_score" in output:
+            return output["step_score"]
+        return self.prediction_distance(inputs, output["pred"])
 
     def auxiliary_loss(self, inputs: dict, target: Tensor) -> Tensor | None:
         """The posterior-mean estimate's squared error on the query targets (None without one, or once
