@@ -219,6 +219,34 @@ def test_a_separate_policy_checkpoint_loads_as_it_was_trained():
         torch.testing.assert_close(loaded(inputs, output, 1), joint(inputs, output, 1))
 
 
+def test_a_scalars_policy_reads_its_scalars_alone_and_its_checkpoint_loads_as_scalars():
+    """``inputs="scalars"`` (the quick preset's): no set embedding, so the support and query sets cannot move its logit,
+    and only the support loss is needed from the readout; its checkpoint loads into a joint-built policy as scalars."""
+    g = torch.Generator().manual_seed(2)
+    inputs = {"support_y": torch.randn(2, 3, 1, generator=g), "support_mask": torch.ones(2, 3), "shots": torch.tensor([3, 7])}
+    output = {"support_pred": torch.randn(2, 3, 1, generator=g), "support_feats": torch.randn(2, 3, 8, generator=g),
+              "query_feats": torch.randn(2, 5, 8, generator=g), "pred": torch.randn(2, 5, 1, generator=g),
+              "support_loss": torch.rand(2, generator=g)}
+    torch.manual_seed(0)
+    scalars = MAMLStopPolicy(8, 1, 5, classification=False, inputs="scalars")
+    assert scalars.support_set is None and scalars.head[0].in_features == 3
+    assert not any(k.split(".")[0].endswith("_set") for k in scalars.state_dict())
+    only_loss = {"support_loss": output["support_loss"], "pred": output["pred"]}
+    moved = {**output, "support_feats": -output["support_feats"], "query_feats": output["query_feats"] * 3}
+    with torch.no_grad():
+        a = scalars(inputs, output, 2)
+        torch.testing.assert_close(scalars(inputs, only_loss, 2), a)
+        torch.testing.assert_close(scalars(inputs, moved, 2), a)
+        assert not torch.allclose(scalars(inputs, {**output, "support_loss": output["support_loss"] + 1}, 2), a)
+    loaded = MAMLStopPolicy(8, 1, 5, classification=False)
+    loaded.load_state_dict(scalars.state_dict())
+    assert loaded.inputs == "scalars" and loaded.support_set is None
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(inputs, output, 2), a)
+    with pytest.raises(ValueError, match="support features"):
+        MAMLStopPolicy(8, 1, 5, classification=False)(inputs, only_loss, 2)
+
+
 @pytest.mark.parametrize("name", NETWORKS.names())
 def test_every_registered_network_adapts(name):
     """Smoke test per registered learner: one inner step lowers the support loss of every task."""

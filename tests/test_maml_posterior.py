@@ -141,3 +141,6 @@ def test_the_option_is_for_regression_and_named_when_misused():
         preset("paper", model={"policy_posterior": True})
     with pytest.raises(ValueError, match="regression"):
         MAMLStopPolicy(8, 5, 4, classification=True, posterior=True, in_dim=1)
+    with pytest.raises(ConfigError, match="policy_inputs"):
+        preset("quick", model={"policy_inputs": "sets"})
+    assert build(preset("quick"), None)[1].policy.inputs == "scalars" and build(preset("paper"), None)[1].policy.inputs == "joint"

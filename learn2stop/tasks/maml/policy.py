@@ -82,23 +82,28 @@ class MAMLStopPolicy(nn.Module):
         train it.
       - with ``answer`` (a kept answer, :class:`~learn2stop.tasks.maml.models.AnsweringMAML`): the log distance of the
         kept answer to the estimate and how many steps ago (/ T) it was made.
-    -> Linear(3 * dim + 3 (+1) (+2), 128) -> ELU -> Linear(128, 1).
+    -> Linear(3 * dim + 3 (+1) (+2), 128) -> ELU -> Linear(128, 1). ``inputs="scalars"``: the scalars alone, no set
+    embedding -> Linear(3 (+1) (+2), 128) -> ELU -> Linear(128, 1).
 
     Why joint: on the quick sinusoid preset, at 3 inner steps, the joint policy's quantile rule reaches 1.545 expected
     query MSE where the separate one reached 1.594, a fixed depth 1.687, and a stop that knows the task family (the
     least posterior expected query MSE of each step's function given the support) 1.385
     (``benchmarks/maml_sinusoid_bound.py``, docs/maml.md).
 
+    Why scalars (the quick preset's, with the kept answer): once the policy reads the distances to the posterior-mean
+    estimate, the set embeddings add little (quantile rules within 0.005 query MSE at 3-5 steps, Stage II retrained
+    both ways on one Stage I) and cost most of an ask (1.4 of about 2 ms at 100 tasks, one thread): docs/maml.md.
+
     Args:
         feat_dim: the learner's feature size D. out_dim: its output size (N classes, or 1).
         num_steps: T. classification: residual as softmax - onehot, else prediction - target.
-        inputs: ``"joint"`` or ``"separate"`` (above); a checkpoint loads as the one it was trained as.
+        inputs: ``"joint"``, ``"separate"`` or ``"scalars"`` (above); a checkpoint loads as the one it was trained as.
         posterior: read the distance to the posterior-mean estimate (regression only; ``in_dim``: the size of an
             input x). Off by default (``model.policy_posterior``).
         answer: also read the kept answer (needs ``posterior``; ``model.answer: nearest``).
     """
 
-    INPUTS = ("joint", "separate")
+    INPUTS = ("joint", "separate", "scalars")
 
     def __init__(self, feat_dim: int, out_dim: int, num_steps: int, classification: bool = True, dim: int = 64,
                  hidden: int = 128, inputs: str = "joint", posterior: bool = False, in_dim: int | None = None,
@@ -111,7 +116,6 @@ class MAMLStopPolicy(nn.Module):
                              f"in_dim, the size of an input x; got classification={classification}, in_dim={in_dim!r}")
         self.num_steps, self.out_dim, self.classification = num_steps, out_dim, classification
         self.feat_dim, self.dim = feat_dim, dim
-        self.support_set = DeepSet(feat_dim, dim)
         self._build_sets(inputs)
         if answer and not posterior:
             raise ValueError("answer: a kept answer is chosen by the posterior-mean estimate; set posterior=True")
@@ -121,8 +125,8 @@ class MAMLStopPolicy(nn.Module):
         #: has had its own stage: on the quick preset Stage II's learning rate and batches undid part of it, its loss
         #: going from 0.47 back up to 1.23, then 0.52-0.93)
         self.fit_estimate = True
-        extra = int(posterior) + 2 * int(answer)
-        self.head = nn.Sequential(nn.Linear(3 * dim + 3 + extra, hidden), nn.ELU(), nn.Linear(hidden, 1))
+        self.hidden = hidden
+        self.head = self._head()
         self._cached = None  # (support_x, query_x, support_y, weight versions, with gradients, mean): one rollout's
         self.register_load_state_dict_pre_hook(self._match_checkpoint)
 
@@ -163,25 +167,23 @@ class MAMLStopPolicy(nn.Module):
 
     def _build_sets(self, inputs: str) -> None:
         self.inputs = inputs
+        if inputs == "scalars":
+            self.support_set = self.query_set = self.residual_set = None
+            return
         joint = inputs == "joint"
+        self.support_set = DeepSet(self.feat_dim, self.dim)
         self.query_set = DeepSet(self.feat_dim + (self.out_dim if joint else 0), self.dim)
         self.residual_set = DeepSet(self.feat_dim + 3 * self.out_dim if joint else self.out_dim, self.dim)
 
+    def _head(self) -> nn.Module:
+        """The MLP on the set embeddings (none with ``inputs="scalars"``) and the 3 (+1 posterior) (+2 answer) scalars."""
+        n = (0 if self.inputs == "scalars" else 3 * self.dim) + 3 + int(self.posterior is not None) + 2 * int(self.answer)
+        return nn.Sequential(nn.Linear(n, self.hidden), nn.ELU(), nn.Linear(self.hidden, 1))
+
     def forward(self, inputs: dict, output: dict, t: int) -> Tensor:
-        if "support_feats" not in output:
+        if ("support_loss" if self.inputs == "scalars" else "support_feats") not in output:
             raise ValueError("the MAML-stop policy needs the learner's support features: build MAMLModel with policy_features=True")
         mask = inputs["support_mask"]  # (B, S)
-        sp = output["support_pred"].detach()  # (B, S, out)
-        if self.classification:
-            pred, target = torch.softmax(sp, dim=-1), F.one_hot(inputs["support_y"], self.out_dim).to(sp)
-        else:
-            pred, target = sp, inputs["support_y"]
-        residual = pred - target
-        sf, qf = output["support_feats"].detach(), output["query_feats"].detach()
-        if self.inputs == "joint":
-            qp = output.get("step_pred", output["pred"]).detach()
-            qf = torch.cat([qf, torch.softmax(qp, dim=-1) if self.classification else qp], dim=-1)
-            residual = torch.cat([sf, target, pred, residual], dim=-1)
         columns = [torch.log1p(output["support_loss"].detach()),
                    torch.full_like(mask[:, 0], t / self.num_steps),
                    torch.log(inputs["shots"].to(mask)) / math.log(10.0)]
@@ -194,19 +196,36 @@ class MAMLStopPolicy(nn.Module):
             columns.append(torch.zeros_like(now) if kept is None else
                            (t - output["answer_step"]).to(now) / self.num_steps)
         scalars = torch.stack(columns, dim=1)  # (B, 3 + posterior + 2 answer)
-        h = torch.cat([self.support_set(sf, mask),
-                       self.query_set(qf, qf.new_ones(qf.shape[:2])),
-                       self.residual_set(residual, mask), scalars], dim=1)
-        return self.head(h).squeeze(1)
+        if self.inputs == "scalars":
+            return self.head(scalars).squeeze(1)
+        return self.head(torch.cat([*self._embed_sets(inputs, output), scalars], dim=1)).squeeze(1)
+
+    def _embed_sets(self, inputs: dict, output: dict) -> tuple[Tensor, Tensor, Tensor]:
+        """The (B, dim) DeepSets embeddings of the support features, the query set and the support set's fit."""
+        mask = inputs["support_mask"]
+        sp = output["support_pred"].detach()  # (B, S, out)
+        if self.classification:
+            pred, target = torch.softmax(sp, dim=-1), F.one_hot(inputs["support_y"], self.out_dim).to(sp)
+        else:
+            pred, target = sp, inputs["support_y"]
+        residual = pred - target
+        sf, qf = output["support_feats"].detach(), output["query_feats"].detach()
+        if self.inputs == "joint":
+            qp = output.get("step_pred", output["pred"]).detach()
+            qf = torch.cat([qf, torch.softmax(qp, dim=-1) if self.classification else qp], dim=-1)
+            residual = torch.cat([sf, target, pred, residual], dim=-1)
+        return (self.support_set(sf, mask), self.query_set(qf, qf.new_ones(qf.shape[:2])),
+                self.residual_set(residual, mask))
 
     def _match_checkpoint(self, module, state_dict, prefix, *args) -> None:
-        """Before the children load: rebuild the sets for the inputs a checkpoint was trained on, told by the shape of
-        its support-fit set (a checkpoint of the separate policy reads out_dim values per element)."""
-        w = state_dict.get(prefix + "residual_set.phi.weight")
-        if w is None:
+        """Before the children load: rebuild the sets (and the head) for the inputs a checkpoint was trained on, told
+        by its support-fit set: none (scalars), or its shape (the separate policy reads out_dim values per element)."""
+        if prefix + "head.0.weight" not in state_dict:
             return
-        inputs = "separate" if w.shape[1] == self.out_dim else "joint"
+        w = state_dict.get(prefix + "residual_set.phi.weight")
+        inputs = "scalars" if w is None else "separate" if w.shape[1] == self.out_dim else "joint"
         if inputs != self.inputs:
-            like = self.head[0].weight  # the rebuilt sets take the module's device and dtype
+            like = self.head[0].weight  # the rebuilt modules take the module's device and dtype
             self._build_sets(inputs)
+            self.head = self._head()
             self.to(like)
