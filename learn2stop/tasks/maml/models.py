@@ -367,7 +367,7 @@ class ModelConfig:
     steps, and its call costs 0.18 ms at 100 tasks instead of 1.2: docs/maml.md). A checkpoint loads as what it was trained on.
     answer: ``"last"``: a stop at step t answers with step t's prediction; ``"nearest"``: with the prediction of the
     step s <= t nearest the posterior-mean estimate (:class:`AnsweringMAML`, from Stage II on; needs
-    ``policy_posterior``). On in the quick preset: there the policy's quantile 0.5 closes 69 % of the gap from the
+    ``policy_posterior``). On in the quick preset: there the policy's quantile 0.5 closes 64-69 % of the gap from the
     best fixed depth to the oracle step where answering with the step it stops at closed 27 % (docs/maml.md).
     """
 
