@@ -327,7 +327,7 @@ class AnsweringMAML(MAMLModel):
         _, frozen = self._split()
         qx = inputs["query_x"]
         pred, qfeat = self._forward_tasks(fast, frozen, qx, qx.new_ones(qx.shape[:2]), inputs)
-        estimate = state[ANSWER + "estimate"] if ANSWER + "estimate" in state else self.estimate(inputs).detach()
+        estimate = state[ANSWER + "estimate"]  # made by initial_state, once per rollout
         score = squared_distance(pred, estimate)
         kept = {"pred": pred, "score": score, "step": torch.full_like(score, t, dtype=torch.long)}
         if ANSWER + "score" in state:  # a later step replaces the kept answer only where it scores strictly better
