@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from learn2stop.tasks.maml.policy import PosteriorPredictive
+
 torch.set_num_threads(1)  # tests use tiny tensors: one thread avoids OpenMP spin-waits on a busy machine
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -142,3 +144,15 @@ def oracle_kl(sm, task, beta: float) -> float:
         log_q = replanned_log_q(log_q, r.replan_log_q, sm.policy.replan_step)
     log_p = log_oracle_distribution(r.losses, beta)
     return float((log_p.exp() * (log_p - log_q)).sum(1).mean())
+
+
+
+class CountingPosterior(PosteriorPredictive):
+    """MAML's posterior-mean estimate counting its forward calls (set ``calls`` to 0 first; assign the class to a
+    policy's ``posterior.__class__``): for the tests that it is computed once per rollout."""
+
+    calls = 0
+
+    def forward(self, *args):
+        type(self).calls += 1
+        return super().forward(*args)

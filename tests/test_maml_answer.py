@@ -20,6 +20,8 @@ from learn2stop.tasks.maml.policy import MAMLStopPolicy
 from learn2stop.tasks.maml.samplers import SinusoidSampler
 from learn2stop.utils.config import ConfigError, load_run_config
 
+from conftest import CountingPosterior
+
 
 def sinusoids(n=8, seed=0):
     return SinusoidSampler(1, 6, 9, noise=0.5).batch(None, n, torch.Generator().manual_seed(seed))
@@ -77,26 +79,17 @@ def test_early_exit_answers_what_the_trace_has_at_the_stop_step():
 
 
 def test_the_estimate_rides_in_the_state_once_per_rollout_under_early_exit():
-    from learn2stop.tasks.maml.policy import PosteriorPredictive
-
-    class Counting(PosteriorPredictive):
-        calls = 0
-
-        def forward(self, *args):
-            type(self).calls += 1
-            return super().forward(*args)
-
     sm = answering()
-    sm.policy.posterior.__class__ = Counting
+    sm.policy.posterior.__class__ = CountingPosterior
     inputs, _ = sinusoids(10, seed=3)
     times = torch.tensor([1, 2, 3, 4, 5, 5, 4, 3, 2, 1])
     with torch.no_grad():
-        Counting.calls = 0
+        CountingPosterior.calls = 0
         r = run_with_early_exit(sm.model, inputs, StopAtTimes(times))
-        assert Counting.calls == 1  # rows that stop take their slice of it; the others never recompute it
+        assert CountingPosterior.calls == 1  # rows that stop take their slice of it; the others never recompute it
         rule = InferenceConfig(rule="threshold", param=0.55).make_rule(sm.policy)  # asked on the running rows
         e = run_with_early_exit(sm.model, {k: v.clone() for k, v in inputs.items()}, rule)
-        assert Counting.calls == 2 and len(set(e.stop_times.tolist())) > 1  # new inputs: once more, and only once
+        assert CountingPosterior.calls == 2 and len(set(e.stop_times.tolist())) > 1  # new inputs: once more, and only once
         full = unroll(sm.model, inputs, keep_outputs=True, model_grad=False).step_outputs
     # the policy reads the step's score the model computed, equal to computing it from the inputs
     for out in full:

@@ -11,6 +11,8 @@ from learn2stop.tasks.maml.policy import MAMLStopPolicy, PosteriorPredictive
 from learn2stop.tasks.maml.samplers import SinusoidSampler
 from learn2stop.utils.config import ConfigError
 
+from conftest import CountingPosterior
+
 
 def sinusoids(n=6, seed=0, k_max=5):
     return SinusoidSampler(1, k_max, 7, noise=0.5).batch(None, n, torch.Generator().manual_seed(seed))
@@ -22,14 +24,6 @@ def small(T=4, posterior=True):
     model = MAMLModel(net, T, 0.05, loss="mse", policy_features=True)
     policy = MAMLStopPolicy(net.feat_dim, 1, T, classification=False, dim=8, hidden=16, posterior=posterior, in_dim=1)
     return StoppingModel(model, policy)
-
-
-class Counting(PosteriorPredictive):
-    calls = 0
-
-    def forward(self, *args):
-        type(self).calls += 1
-        return super().forward(*args)
 
 
 def test_padding_support_elements_do_not_move_the_estimate():
@@ -45,26 +39,26 @@ def test_padding_support_elements_do_not_move_the_estimate():
 
 def test_the_estimate_is_computed_once_per_rollout_and_again_only_when_the_batch_changes():
     sm = small()
-    sm.policy.posterior.__class__ = Counting
+    sm.policy.posterior.__class__ = CountingPosterior
     inputs, target = sinusoids()
-    Counting.calls = 0
+    CountingPosterior.calls = 0
     r = sm.unroll(inputs, target, sm.model.task_loss)
-    assert r.stop_logits.shape == (6, 3) and Counting.calls == 1  # asked at steps 1..3, computed once
-    assert sm.policy.auxiliary_loss(inputs, target) is not None and Counting.calls == 1  # the same rollout's
+    assert r.stop_logits.shape == (6, 3) and CountingPosterior.calls == 1  # asked at steps 1..3, computed once
+    assert sm.policy.auxiliary_loss(inputs, target) is not None and CountingPosterior.calls == 1  # the same rollout's
     out = unroll(sm.model, inputs, keep_outputs=True, model_grad=False).step_outputs[0]
     with torch.no_grad():
-        Counting.calls = 0
+        CountingPosterior.calls = 0
         sm.policy(inputs, out, 1)
-        assert Counting.calls == 0  # one computed with gradients serves a request without
+        assert CountingPosterior.calls == 0  # one computed with gradients serves a request without
     fresh = {k: v.clone() for k, v in inputs.items()}
     with torch.no_grad():
         sm.policy(fresh, out, 1)
-        assert Counting.calls == 1  # new input tensors: computed again, without gradients
-    assert sm.policy.auxiliary_loss(fresh, target).requires_grad and Counting.calls == 2  # wanted with them: again
+        assert CountingPosterior.calls == 1  # new input tensors: computed again, without gradients
+    assert sm.policy.auxiliary_loss(fresh, target).requires_grad and CountingPosterior.calls == 2  # wanted with them: again
     with torch.no_grad():
-        Counting.calls = 0
+        CountingPosterior.calls = 0
         e = sm(inputs)  # real early exit: new input tensors only where rows stopped
-    assert Counting.calls <= len(set(e.stop_times.tolist())) and e.stop_times.max() <= 4
+    assert CountingPosterior.calls <= len(set(e.stop_times.tolist())) and e.stop_times.max() <= 4
     # the estimate for a row does not depend on the others, so recomputing it on fewer rows gives the same values
     with torch.no_grad():
         full = sm.policy.posterior_mean(inputs)
