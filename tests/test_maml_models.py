@@ -247,6 +247,24 @@ def test_a_scalars_policy_reads_its_scalars_alone_and_its_checkpoint_loads_as_sc
         MAMLStopPolicy(8, 1, 5, classification=False)(inputs, only_loss, 2)
 
 
+def test_the_estimate_starts_from_the_same_weights_whatever_the_policy_reads():
+    """The posterior-mean estimate (what MAML-stop's kept answer is chosen by) is built before the policy's own
+    modules, so runs that differ only in ``inputs`` start it from the same draw and answer alike before Stage II."""
+    made = {}
+    for inputs in MAMLStopPolicy.INPUTS:
+        torch.manual_seed(0)
+        made[inputs] = MAMLStopPolicy(8, 1, 5, classification=False, inputs=inputs, posterior=True, in_dim=1)
+    first = made["joint"].posterior.state_dict()
+    for inputs, policy in made.items():
+        got = policy.posterior.state_dict()
+        assert got.keys() == first.keys()
+        for k in first:
+            torch.testing.assert_close(got[k], first[k], rtol=0, atol=0, msg=f"{inputs}: {k}")
+    torch.manual_seed(1)
+    other = MAMLStopPolicy(8, 1, 5, classification=False, inputs="joint", posterior=True, in_dim=1).posterior
+    assert any(not torch.equal(v, first[k]) for k, v in other.state_dict().items())
+
+
 @pytest.mark.parametrize("name", NETWORKS.names())
 def test_every_registered_network_adapts(name):
     """Smoke test per registered learner: one inner step lowers the support loss of every task."""

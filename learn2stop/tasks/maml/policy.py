@@ -116,10 +116,12 @@ class MAMLStopPolicy(nn.Module):
                              f"in_dim, the size of an input x; got classification={classification}, in_dim={in_dim!r}")
         self.num_steps, self.out_dim, self.classification = num_steps, out_dim, classification
         self.feat_dim, self.dim = feat_dim, dim
-        self._build_sets(inputs)
         if answer and not posterior:
             raise ValueError("answer: a kept answer is chosen by the posterior-mean estimate; set posterior=True")
+        # the estimate first: its initial weights then do not depend on which of the policy's own modules ``inputs``
+        # builds, so runs that differ in ``inputs`` start from the same estimate (and keep the same answers)
         self.posterior = PosteriorPredictive(in_dim, out_dim) if posterior else None
+        self._build_sets(inputs)
         self.answer = answer
         #: whether :meth:`auxiliary_loss` trains the estimate (MAML-stop turns it off in Stage II once the estimate
         #: has had its own stage: on the quick preset Stage II's learning rate and batches undid part of it, its loss
