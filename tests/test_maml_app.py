@@ -1,5 +1,6 @@
 """The maml CLI application: config validation, a tiny end-to-end run, resume, calibrate and frontier, data errors."""
 import json
+import math
 
 import numpy as np
 import pytest
@@ -48,7 +49,13 @@ def test_quick_preset_end_to_end_and_resume(tmp_path, capsys):
     assert main(["maml", "reproduce", "--preset", "quick", "--run-dir", str(run_dir), "--model.inner_steps", "3"] + TINY) == 0
     result = json.loads((run_dir / "results.json").read_text())
     assert result["tasks"] == 12 and len(result["per_step"]["maml"]) == 3
-    assert set(result["rows"]) >= {"MAML (3 steps)", "MAML-stop (learned stop)"}
+    cal = json.loads((run_dir / "calibration.json").read_text())
+    # the deployed row: the learned stop, or a certified fixed depth that costs no more on validation, named as such
+    deployed = ("MAML-stop (learned stop)" if cal["rule"] != "fixed" else f"MAML-stop (fixed depth {int(cal['param'])})")
+    if cal["rule"] == "fixed":
+        assert cal["target"]["instead_of"]["rule"] == "quantile"
+        assert cal["calibration"]["mean_cost"] <= cal["target"]["instead_of"].get("mean_cost", math.inf)
+    assert set(result["rows"]) >= {"MAML (3 steps)", deployed}
     assert result["inner_steps_computed"]["maml_stop"] <= result["inner_steps_computed"]["maml"]
     assert (run_dir / "stop_by_shot.png").stat().st_size > 1000 and "95% CI" in (run_dir / "results.md").read_text()
     for f in ("config.yaml", "metrics.jsonl", "training_summary.json", "checkpoints/baseline.pt", "checkpoints/stage2.pt"):
@@ -59,7 +66,7 @@ def test_quick_preset_end_to_end_and_resume(tmp_path, capsys):
     assert main(["maml", "evaluate", "--preset", "quick", "--run-dir", str(run_dir), "--model.inner_steps", "3"] + TINY) == 0
     assert main(["maml", "train", "--preset", "quick", "--run-dir", str(run_dir), "--model.inner_steps", "3"] + TINY) == 0
     assert (run_dir / "checkpoints" / "stage1.pt").stat().st_mtime == mtime  # finished stages are skipped
-    assert "MAML-stop (learned stop)" in capsys.readouterr().out
+    assert deployed in capsys.readouterr().out
 
 
 def test_frontier_and_calibrate_end_to_end(tmp_path, capsys):

@@ -352,7 +352,8 @@ def _require_trained(run_dir: Path, stage: str, command: str) -> None:
 
 def stop_model_trace(app: StoppingApp, cfg, sm: StoppingModel, split: str, device, with_classical: bool = True) -> Trace:
     """The stop model's trace on a split: per-step metrics, both policy rules' scores and classical signals."""
-    rules = model_rules(app, cfg, sm) if with_classical else (policy_rules(sm.policy) if sm.policy is not None else [])
+    rules = model_rules(app, cfg, sm) if with_classical else [*(policy_rules(sm.policy) if sm.policy is not None else ()),
+                                                             "fixed"]
     signals = {r: (lambda r=r: rule_signal(app, cfg, sm, r)) for r in rules}
     return collect_trace(sm.model, app.eval_batches(cfg, split, device), app.metric(cfg), device, signals=signals,
                          extras=app.trace_extras(cfg))
@@ -537,6 +538,11 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
     (target kind ``match``). None when no threshold reaches it: then the run deploys the baseline at full depth,
     recorded with the reason in ``deployment.json`` (:func:`served_baseline`).
 
+    A fixed depth of the stop model is calibrated for the same target too, and deployed instead where it costs no more
+    on validation than the policy rule (or the policy rule reaches no threshold): it then does what the policy would,
+    without a policy call (the saved calibration's ``target["instead_of"]`` names the rule it replaced). Only where
+    neither reaches the target does the run deploy the baseline.
+
     With ``app.deploy_in_time`` (the default) every other rule of the task (the classical ones, a fixed depth) is
     calibrated for the same target too, and each is timed side by side with the baseline at full depth, at batch 1
     and at the task's speed batch: ``in_time.json`` / ``in_time.md`` (:func:`deployment_in_time`), the question a
@@ -571,10 +577,18 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
 
     signal = make_signal(rule, sm.policy)
     cal = calibrate(rule, val.signals[rule], budget_costs(val, app.budget_by), signal.to_param)
+    policy_cal = cal
+    # a fixed depth certified for the same target at no more cost on validation does what the policy does, without it
+    fixed = calibrate("fixed", val.signals["fixed"], budget_costs(val, app.budget_by, "fixed"), DepthSignal.to_param)
+    if fixed is not None and (cal is None or fixed.calibration["mean_cost"] <= cal.calibration["mean_cost"]):
+        fixed.target["instead_of"] = ({"rule": rule, "reached": False} if cal is None else
+                                      {"rule": rule, "param": cal.param, "mean_cost": cal.calibration["mean_cost"]})
+        cal, signal = fixed, DepthSignal()
+    deployed = cal.rule if cal is not None else rule
     if app.deploy_in_time:
-        deployment_in_time(app, cfg, run, sm, base, val, calibrate, rule, cal is not None, how)
+        deployment_in_time(app, cfg, run, sm, base, val, calibrate, deployed, cal is not None, how)
     if cal is None:
-        reason = (f"no threshold of the stop model's {rule} rule reaches {reference} on validation "
+        reason = (f"no threshold of the stop model's {rule} rule, and no fixed depth, reaches {reference} on validation "
                   f"(full-depth lead {lead:.4g})")
         if run.ctx.is_main:
             write_json({"stage": app.baseline_stage, "reason": reason}, Path(run.run_dir) / DEPLOYMENT_FILE)
@@ -585,8 +599,11 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
     if run.ctx.is_main:
         save_calibration(cal, run.run_dir)
         (Path(run.run_dir) / DEPLOYMENT_FILE).unlink(missing_ok=True)
-    run.log(f"deployed rule: {rule} calibrated to keep {app.baseline_stage}'s full-depth quality ({how}): "
-            f"{signal.param_name} = {cal.param:.4g}, {100 * cal.calibration['mean_cost']:.1f} % of the cost on validation")
+    run.log(f"deployed rule: {cal.rule} calibrated to keep {app.baseline_stage}'s full-depth quality ({how}): "
+            f"{signal.param_name} = {cal.param:.4g}, {100 * cal.calibration['mean_cost']:.1f} % of the cost on validation"
+            + ("" if cal is policy_cal else f"; the {rule} rule does not reach it" if policy_cal is None else
+               f"; the {rule} rule, certified at {100 * policy_cal.calibration['mean_cost']:.1f} %, costs no less and "
+               f"adds a policy call, so the fixed depth is deployed"))
     return cal
 
 

@@ -253,7 +253,9 @@ def evaluate(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
         maml_last = maml_steps[:, -1]
     else:
         maml_last = evaluate_rule(base.model, batches, FixedDepth, metric, dev)["values"]
-    rows = {f"MAML ({T} steps)": summarize(maml_last, scale), "MAML-stop (learned stop)": summarize(learned["values"], scale)}
+    # the deployment ships a certified fixed depth where it costs no more than the learned stop (deploy_calibration)
+    label = f"MAML-stop (fixed depth {rule.depth or T})" if isinstance(rule, FixedDepth) else "MAML-stop (learned stop)"
+    rows = {f"MAML ({T} steps)": summarize(maml_last, scale), label: summarize(learned["values"], scale)}
     if desc.startswith("calibrated") and not cfg.inference.sampled:  # the configured rule as a second operating point
         inf = cfg.inference
         key = signal_key(APP, cfg, inf.rule)
