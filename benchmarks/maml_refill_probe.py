@@ -13,8 +13,9 @@ stops where the loop stops it, then times, side by side (round-robin passes, the
 - ``fixed d``: the stop model at fixed depths 3 and 4, batches of ``--batch`` (the loop);
 - ``policy, shrinking``: the quantile rule in the loop, batches of ``--batch``;
 - ``policy, refilled``: the same rule, rows refilled as they stop;
-- ``refilled, cheap ask``: the same, with the readout the policy reads made without the support-set forward (the
-  support loss would come with the next inner step's gradient): timing only, its stop times are not the rule's.
+- ``refilled, cheap ask``: on a run whose policy reads the support loss of each step's weights
+  (``model.policy_support_loss: readout``), the same with the readout made without the support-set forward, as
+  ``step`` (the quick preset's since 2026-11-29) reads it: timing only, its stop times are not the rule's.
 
 The policy must read scalars only (``model.policy_inputs: scalars``, the quick preset's), with the kept answer
 (``model.answer: nearest``). Only the quick preset's sinusoid runs are supported.
@@ -135,8 +136,9 @@ def main(argv: list[str] | None = None) -> None:
         if not torch.equal(loop, got):
             raise SystemExit(f"refilled stop times differ from the loop's at {int((loop != got).sum())} of {N} tasks")
         jobs = {"fixed 3": lambda: shrinking(lambda: FixedDepth(3)), "fixed 4": lambda: shrinking(lambda: FixedDepth(4)),
-                "policy, shrinking": lambda: shrinking(rule), "policy, refilled": refilled,
-                "refilled, cheap ask": lambda: refilled(cheap_readout)}
+                "policy, shrinking": lambda: shrinking(rule), "policy, refilled": refilled}
+        if not model.support_loss_from_step:  # its readout runs a support-set forward at every ask
+            jobs["refilled, cheap ask"] = lambda: refilled(cheap_readout)
         best = {k: math.inf for k in jobs}
         for _ in range(args.passes):
             for k, f in jobs.items():

@@ -53,6 +53,37 @@ def test_the_answer_is_the_best_step_so_far_by_the_score():
     assert len({int(s) for s in kept[-1]["answer_step"]}) > 1  # the tasks keep different steps
 
 
+@pytest.mark.parametrize("batching", ["vmap", "loop"])
+def test_the_policy_can_read_the_support_loss_its_step_was_taken_of_without_a_support_forward(batching, monkeypatch):
+    """``support_loss_from_step`` (``model.policy_support_loss: step``): the support loss read at step t is the one the
+    step's inner gradient was taken of, i.e. the support loss of step t-1's weights, read without a support-set
+    forward; the steps themselves, and so the answers, are the same."""
+    sm = answering()
+    sm.model.task_batching = batching
+    inputs, _ = sinusoids()
+    with torch.no_grad():
+        fresh = unroll(sm.model, inputs, keep_outputs=True, model_grad=False).step_outputs  # a support forward each
+        first = sm.model._support_loss  # the support loss of the meta-parameters, before step 1
+        at_init = torch.stack([first({k: v[b] for k, v in sm.model._fast(sm.model.initial_state(inputs)).items()},
+                                     sm.model._split()[1], inputs["support_x"][b], inputs["support_y"][b],
+                                     inputs["support_mask"][b]) for b in range(inputs["support_x"].shape[0])])
+        sm.model.support_loss_from_step = True
+        calls = []
+        monkeypatch.setattr(AnsweringMAML, "_support_features", lambda *a: calls.append(1))
+        carried = unroll(sm.model, inputs, keep_outputs=True, model_grad=False).step_outputs
+    assert not calls  # no support-set forward at any step
+    torch.testing.assert_close(carried[0]["support_loss"], at_init)
+    for t in range(1, len(carried)):
+        torch.testing.assert_close(carried[t]["support_loss"], fresh[t - 1]["support_loss"])
+        torch.testing.assert_close(carried[t]["pred"], fresh[t]["pred"])
+    assert set(carried[0]) == set(fresh[0]) - {"support_pred", "support_feats"}
+    with torch.no_grad():  # the scalars policy reads it
+        scalars = MAMLStopPolicy(8, 1, 5, classification=False, dim=8, hidden=16, posterior=True, in_dim=1,
+                                 answer=True, inputs="scalars")
+        scalars.posterior = sm.policy.posterior
+        assert scalars(inputs, carried[2], 3).shape == (8,)
+
+
 def test_off_it_is_the_meta_learner_and_the_switch_is_in_the_checkpoint():
     sm = answering(on=False)
     inputs, _ = sinusoids()
@@ -146,7 +177,8 @@ def test_config_names_the_field():
         preset("quick", posterior={"objective": "stage2", "variant": "map"})
     cfg = preset("quick", model={"answer": "nearest", "policy_posterior": True})
     assert [s.name for s in APP.stages(cfg)] == ["baseline", "stage1", "posterior", "stage2"]
-    assert [s.name for s in APP.stages(preset("quick", model={"answer": "last", "policy_posterior": False}))] == [
+    assert [s.name for s in APP.stages(preset("quick", model={"answer": "last", "policy_posterior": False,
+                                                              "policy_support_loss": "readout"}))] == [
         "baseline", "stage1", "stage2"]
     assert isinstance(build(cfg, None)[1].model, AnsweringMAML) and set(APP.classical_signals(cfg)) == {
         "tolerance", "patience"}

@@ -107,9 +107,10 @@ PRESETS: dict[str, dict] = {
         "data": {"source": "sinusoid", "path": "", "n_way": 1, "k_min": 1, "k_max": 10, "query_per_class": 20,
                  "rotations": False, "noise": 1.0},
         # a stop answers with the step so far nearest a learned posterior-mean estimate (trained in its own stage);
-        # the policy reads scalars alone (its distances to that estimate carry what the set embeddings did)
+        # the policy reads scalars alone (its distances to that estimate carry what the set embeddings did), the
+        # support loss among them as the step's inner gradient computed it: an ask runs no support-set forward
         "model": {"network": "mlp", "hidden": 40, "inner_steps": 10, "inner_lr": 0.02, "policy_posterior": True,
-                  "answer": "nearest", "policy_inputs": "scalars"},
+                  "answer": "nearest", "policy_inputs": "scalars", "policy_support_loss": "step"},
         "method": {"beta": 0.05, "price": 0.3},  # price: 10 inner steps cost 0.3 of query MSE
         "maml": {**_ITERS(3000, 25, 250), "lr": 1e-3},
         "stage1": {**_ITERS(3000, 25, 250), "lr": 1e-3},

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import grad, vmap
+from torch.func import grad, grad_and_value, vmap
 
 from ...core.model import StoppingModel
 from ...core.trees import tree_leaves, tree_map
@@ -209,16 +209,19 @@ class MAMLModel(nn.Module):
         frozen = {k: v for k, v in self.net.params.items() if k not in adapted}
         return adapted, frozen
 
-    def inner_update(self, fast: dict, inputs: dict) -> dict:
-        """One SGD step on each task's support loss: theta'_b = theta_b - alpha * grad L_support,b."""
+    def inner_update(self, fast: dict, inputs: dict, with_loss: bool = False) -> dict | tuple[dict, Tensor]:
+        """One SGD step on each task's support loss: theta'_b = theta_b - alpha * grad L_support,b. ``with_loss``: also
+        the (B,) support loss L_support,b(theta_b) the gradient was taken of (detached), which the step computes anyway."""
         _, frozen = self._split()
-        g = map_tasks(grad(self._support_loss), (0, None, 0, 0, 0), fast, frozen, inputs["support_x"],
-                      inputs["support_y"], inputs["support_mask"], mode=self._mode(inputs))
+        out = map_tasks((grad_and_value if with_loss else grad)(self._support_loss), (0, None, 0, 0, 0), fast, frozen,
+                        inputs["support_x"], inputs["support_y"], inputs["support_mask"], mode=self._mode(inputs))
+        g, loss = out if with_loss else (out, None)
         if self.first_order:
             g = {k: v.detach() for k, v in g.items()}
         if self.inner_grad_clip > 0:
             g = clip_task_gradients(g, self.inner_grad_clip)
-        return {k: fast[k] - self.inner_lr * g[k] for k in fast}
+        new = {k: fast[k] - self.inner_lr * g[k] for k in fast}
+        return (new, loss.detach()) if with_loss else new
 
     def _mode(self, inputs: dict) -> str:
         if self.task_batching != "auto":
@@ -290,11 +293,18 @@ class AnsweringMAML(MAMLModel):
     Output at step t when answering: ``pred`` the kept answer, ``step_pred`` this step's own prediction,
     ``step_score`` (B,) its score, ``answer_score`` (B,) the kept answer's score, ``answer_step`` (B,) the step it came
     from, and the policy features of this step.
+
+    ``support_loss_from_step`` (``model.policy_support_loss: step``, the quick preset's): when answering, the
+    ``support_loss`` the policy reads is the one step t's inner gradient was taken of (of the weights before the step,
+    computed anyway), carried in the state, and the readout runs no support-set forward; otherwise (``readout``) it is
+    the support loss of step t's weights, a support-set forward at every step the policy reads. Only ``support_loss``
+    is then read out of the support set, so the policy must read scalars alone.
     """
 
-    def __init__(self, *args, estimate: Callable[[dict], Tensor], **kw):
+    def __init__(self, *args, estimate: Callable[[dict], Tensor], support_loss_from_step: bool = False, **kw):
         super().__init__(*args, **kw)
         self.estimate = estimate
+        self.support_loss_from_step = support_loss_from_step
         self.answering = False
 
     def get_extra_state(self) -> dict:
@@ -321,7 +331,13 @@ class AnsweringMAML(MAMLModel):
         return state
 
     def step(self, t: int, state: dict, inputs: dict) -> dict:
-        fast = super().step(t, self._fast(state), inputs)
+        fast, before = self._fast(state), None
+        if self.answering and self.support_loss_from_step:  # the last update's loss comes with its gradient
+            for _ in range(self.updates_per_step - 1):
+                fast = self.inner_update(fast, inputs)
+            fast, before = self.inner_update(fast, inputs, with_loss=True)
+        else:
+            fast = super().step(t, fast, inputs)
         if not self.answering:
             return fast
         _, frozen = self._split()
@@ -333,8 +349,11 @@ class AnsweringMAML(MAMLModel):
         if ANSWER + "score" in state:  # a later step replaces the kept answer only where it scores strictly better
             better = score < state[ANSWER + "score"]
             kept = {k: torch.where(better.view(-1, *[1] * (v.dim() - 1)), v, state[ANSWER + k]) for k, v in kept.items()}
-        return {**fast, **{ANSWER + k: v for k, v in kept.items()}, ANSWER + "estimate": estimate,
-                ANSWER + "now": pred, ANSWER + "now_score": score, ANSWER + "feats": qfeat}
+        new = {**fast, **{ANSWER + k: v for k, v in kept.items()}, ANSWER + "estimate": estimate,
+               ANSWER + "now": pred, ANSWER + "now_score": score, ANSWER + "feats": qfeat}
+        if before is not None:
+            new[ANSWER + "support_loss"] = before
+        return new
 
     def readout(self, t: int, state: dict, inputs: dict) -> dict:
         if ANSWER + "now" not in state:
@@ -342,13 +361,17 @@ class AnsweringMAML(MAMLModel):
         out = {"pred": state[ANSWER + "pred"], "step_pred": state[ANSWER + "now"], "query_feats": state[ANSWER + "feats"],
                "step_score": state[ANSWER + "now_score"], "answer_score": state[ANSWER + "score"],
                "answer_step": state[ANSWER + "step"]}
-        if self.policy_features:
+        if self.policy_features and ANSWER + "support_loss" in state:  # the step's own: no support-set forward
+            out["support_loss"] = state[ANSWER + "support_loss"]
+        elif self.policy_features:
             with torch.no_grad():
                 out.update(self._support_features(self._fast(state), self._split()[1], inputs))
         return out
 
 
 ANSWERS = ("last", "nearest")
+#: where the policy's support loss comes from (:class:`AnsweringMAML`'s ``support_loss_from_step``)
+SUPPORT_LOSSES = ("readout", "step")
 
 
 @dataclass
@@ -369,6 +392,10 @@ class ModelConfig:
     step s <= t nearest the posterior-mean estimate (:class:`AnsweringMAML`, from Stage II on; needs
     ``policy_posterior``). On in the quick preset: there the policy's quantile 0.5 closes 64-69 % of the gap from the
     best fixed depth to the oracle step where answering with the step it stops at closed 27 % (docs/maml.md).
+    policy_support_loss: the support loss the policy reads at step t: ``"readout"`` (default) that of step t's weights,
+    a support-set forward at every step it reads; ``"step"`` the one step t's inner gradient was taken of (the weights
+    before the step), which costs nothing (:class:`AnsweringMAML`; needs ``answer: nearest`` and ``policy_inputs:
+    scalars``). The quick preset's: an ask then reads only what the step computed (docs/maml.md).
     """
 
     network: str = "conv4"
@@ -380,11 +407,16 @@ class ModelConfig:
     policy_posterior: bool = False
     policy_inputs: str = "joint"
     answer: str = "last"
+    policy_support_loss: str = "readout"
 
     def __post_init__(self):
         one_of(self.network, NETWORKS.names(), "network")
         one_of(self.answer, ANSWERS, "answer")
         one_of(self.policy_inputs, MAMLStopPolicy.INPUTS, "policy_inputs")
+        one_of(self.policy_support_loss, SUPPORT_LOSSES, "policy_support_loss")
+        require(self.policy_support_loss == "readout" or (self.answer == "nearest" and self.policy_inputs == "scalars"),
+                "policy_support_loss", f"{self.policy_support_loss!r} carries the loss in the kept answer's state and "
+                "reads nothing else of the support set: set answer: nearest and policy_inputs: scalars")
         require(self.answer == "last" or self.policy_posterior, "answer",
                 f"{self.answer!r} reads the posterior-mean estimate: set policy_posterior: true")
         require(isinstance(self.policy_posterior, bool), "policy_posterior", f"must be true or false; got {self.policy_posterior!r}")
@@ -424,7 +456,8 @@ def build(cfg, device, *, seed_offset: str = "") -> tuple[StoppingModel, Stoppin
     maml = StoppingModel(MAMLModel(net, 1, m.inner_lr, m.first_order, loss, updates_per_step=T, inner_grad_clip=clip))
     kind, kw = MAMLModel, {}
     if m.answer == "nearest":
-        kind, kw = AnsweringMAML, {"estimate": policy.posterior_mean}
+        kind, kw = AnsweringMAML, {"estimate": policy.posterior_mean,
+                                   "support_loss_from_step": m.policy_support_loss == "step"}
     stop = StoppingModel(kind(net_stop, T, m.inner_lr, m.first_order, loss, policy_features=True,
                               inner_grad_clip=clip, **kw), policy)
     return maml.to(device), stop.to(device)
