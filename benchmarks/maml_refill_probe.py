@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=100, help="rows per step call")
     ap.add_argument("--budget-point", type=int, default=0, help="which point of frontier.json's policy curve")
     ap.add_argument("--passes", type=int, default=7)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="queue the test tasks this many times over (a longer stream: the last batch's drain counts less)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -62,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     point = json.loads(front.read_text())["curves"]["policy"][args.budget_point]
     thr, T, B = point["threshold"], model.num_steps, args.batch
     inputs = shuffled(APP.speed_inputs(cfg, None))
+    if args.repeat > 1:
+        inputs = tree_cat([inputs] * args.repeat)
     N = batch_size(inputs)
 
     def ask(inp: dict, out: dict, t: torch.Tensor) -> torch.Tensor:
