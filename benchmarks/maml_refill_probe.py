@@ -17,8 +17,8 @@ stops where the loop stops it, then times, side by side (round-robin passes, the
   (``model.policy_support_loss: readout``), the same with the readout made without the support-set forward, as
   ``step`` (the quick preset's since 2026-11-29) reads it: timing only, its stop times are not the rule's.
 
-The policy must read scalars only (``model.policy_inputs: scalars``, the quick preset's), with the kept answer
-(``model.answer: nearest``). Only the quick preset's sinusoid runs are supported.
+The model must keep an answer (``model.answer: nearest``, the quick preset's). Only the quick preset's sinusoid runs
+are supported.
 """
 from __future__ import annotations
 
@@ -59,23 +59,14 @@ def main(argv: list[str] | None = None) -> None:
     cfg = resolve(MAMLConfig, PRESETS["quick"])
     sm = load_stage(APP, cfg, run, APP.stop_stage, None)
     model, policy = sm.model, sm.policy
-    if getattr(policy, "inputs", None) != "scalars" or not getattr(model, "answering", False):
-        raise SystemExit("the probe needs a scalars policy with the kept answer (the quick preset since 220f236)")
+    if not getattr(model, "answering", False):
+        raise SystemExit("the probe needs the kept answer (model.answer: nearest, the quick preset's since d02f480)")
     point = json.loads(front.read_text())["curves"]["policy"][args.budget_point]
     thr, T, B = point["threshold"], model.num_steps, args.batch
     inputs = shuffled(APP.speed_inputs(cfg, None))
     if args.repeat > 1:
         inputs = tree_cat([inputs] * args.repeat)
     N = batch_size(inputs)
-
-    def ask(inp: dict, out: dict, t: torch.Tensor) -> torch.Tensor:
-        """The scalars policy's stop logit with one t per row (``MAMLStopPolicy.forward`` takes one t per call)."""
-        mask = inp["support_mask"]
-        now, kept = out["step_score"].to(mask), out["answer_score"].to(mask)
-        cols = [torch.log1p(out["support_loss"].detach()), t.to(mask) / policy.num_steps,
-                torch.log(inp["shots"].to(mask)) / math.log(10.0), torch.log(now + 1e-3), torch.log(kept + 1e-3),
-                (t - out["answer_step"]).to(mask) / policy.num_steps]
-        return policy.head(torch.stack(cols, 1)).squeeze(1)
 
     def fresh(inp: dict) -> dict:
         """Initial states with an empty kept answer, so that new rows join running ones (same keys)."""
@@ -110,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
             t = t + 1
             st = model.step(-1, act_st, act_in)  # the step ignores t; -1 marks the rows whose kept answer is new
             st[ANSWER + "step"] = torch.where(st[ANSWER + "step"] == -1, t, st[ANSWER + "step"])
-            survival = survival + F.logsigmoid(-ask(act_in, readout(0, st, act_in), t).float())
+            survival = survival + F.logsigmoid(-policy(act_in, readout(0, st, act_in), t).float())  # one t per row
             stop = (-survival >= thr) | (t >= T)  # the quantile rule: -log prod (1 - pi) reaches its threshold
             calls += 1
             keep = (~stop).nonzero().squeeze(1)

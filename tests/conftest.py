@@ -146,7 +146,6 @@ def oracle_kl(sm, task, beta: float) -> float:
     return float((log_p.exp() * (log_p - log_q)).sum(1).mean())
 
 
-
 class CountingPosterior(PosteriorPredictive):
     """MAML's posterior-mean estimate counting its forward calls (set ``calls`` to 0 first; assign the class to a
     policy's ``posterior.__class__``): for the tests that it is computed once per rollout."""

@@ -235,9 +235,14 @@ class MAMLModel(nn.Module):
         return {k: self.net.params[k].unsqueeze(0).expand(B, *self.net.params[k].shape) for k in adapted}
 
     def step(self, t: int, state: dict, inputs: dict) -> dict:
-        for _ in range(self.updates_per_step):
-            state = self.inner_update(state, inputs)
-        return state
+        return self.updates(state, inputs)
+
+    def updates(self, fast: dict, inputs: dict, with_loss: bool = False) -> dict | tuple[dict, Tensor]:
+        """The ``updates_per_step`` inner updates of one step (``with_loss``: and the last one's support loss, as
+        :meth:`inner_update` gives it)."""
+        for _ in range(self.updates_per_step - 1):
+            fast = self.inner_update(fast, inputs)
+        return self.inner_update(fast, inputs, with_loss=True) if with_loss else self.inner_update(fast, inputs)
 
     def readout(self, t: int, state: dict, inputs: dict) -> dict:
         _, frozen = self._split()
@@ -331,13 +336,10 @@ class AnsweringMAML(MAMLModel):
         return state
 
     def step(self, t: int, state: dict, inputs: dict) -> dict:
-        fast, before = self._fast(state), None
         if self.answering and self.support_loss_from_step:  # the last update's loss comes with its gradient
-            for _ in range(self.updates_per_step - 1):
-                fast = self.inner_update(fast, inputs)
-            fast, before = self.inner_update(fast, inputs, with_loss=True)
+            fast, before = self.updates(self._fast(state), inputs, with_loss=True)
         else:
-            fast = super().step(t, fast, inputs)
+            fast, before = self.updates(self._fast(state), inputs), None
         if not self.answering:
             return fast
         _, frozen = self._split()

@@ -182,12 +182,14 @@ class MAMLStopPolicy(nn.Module):
         n = (0 if self.inputs == "scalars" else 3 * self.dim) + 3 + int(self.posterior is not None) + 2 * int(self.answer)
         return nn.Sequential(nn.Linear(n, self.hidden), nn.ELU(), nn.Linear(self.hidden, 1))
 
-    def forward(self, inputs: dict, output: dict, t: int) -> Tensor:
+    def forward(self, inputs: dict, output: dict, t: int | Tensor) -> Tensor:
+        """(B,) stop logits at step ``t``: one step for the batch, or a (B,) tensor of each row's step (rows at different
+        steps in one call, as a refilled batch holds them: ``benchmarks/maml_refill_probe.py``)."""
         if ("support_loss" if self.inputs == "scalars" else "support_feats") not in output:
             raise ValueError("the MAML-stop policy needs the learner's support features: build MAMLModel with policy_features=True")
         mask = inputs["support_mask"]  # (B, S)
         columns = [torch.log1p(output["support_loss"].detach()),
-                   torch.full_like(mask[:, 0], t / self.num_steps),
+                   t.to(mask) / self.num_steps if isinstance(t, Tensor) else torch.full_like(mask[:, 0], t / self.num_steps),
                    torch.log(inputs["shots"].to(mask)) / math.log(10.0)]
         if self.posterior is not None:  # how far this step's function is from the estimated posterior mean
             now = self.posterior_distance(inputs, output)
