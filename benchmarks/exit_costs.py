@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _classify_run import stop_model  # noqa: E402
 
-from learn2stop.core.evaluation import measure_exit_costs  # noqa: E402
+from learn2stop.core.timing import measure_exit_costs  # noqa: E402
 
 
 def main(argv=None) -> dict:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from learn2stop.core.calibration import policy_scores
-from learn2stop.core.evaluation import collect_trace
+from learn2stop.core.trace import collect_trace
 from learn2stop.core.loop import unroll
 from learn2stop.core.pipeline import load_stage
 from learn2stop.core.rules import SIGNALS, first_crossing

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .core.evaluation import BackendError
+from .core.timing import BackendError
 from .core.loop import Rollout, member, run_with_early_exit
 from .core.model import StoppingModel
 from .core.rules import FixedDepth, PolicyRule, SignalRule
@@ -97,7 +97,7 @@ class StreamRunner:
     """Every input submitted at once to a :class:`~learn2stop.core.streaming.StreamingRunner` with ``max_batch``
     rows per step call (default: all of them), run until idle; the result in input order, as a Rollout.
 
-    ``takes_all``: :func:`~learn2stop.core.evaluation.measure_speed` hands it all its inputs in one call with the
+    ``takes_all``: :func:`~learn2stop.core.timing.measure_speed` hands it all its inputs in one call with the
     batch size as ``max_batch`` (a stream refills only from requests that wait), where the other runners get
     one batch per call."""
 

@@ -252,7 +252,8 @@ def test_grad_steps_skip_the_exits_backward_and_keep_the_networks_gradient():
 
 def test_a_fixed_depth_is_costed_without_the_exits_it_does_not_read():
     from learn2stop.core import ConfidenceSignal, FixedDepth, SignalRule
-    from learn2stop.core.evaluation import Metric, collect_trace, evaluate_rule, fixed_depth_curve
+    from learn2stop.core.curves import fixed_depth_curve
+    from learn2stop.core.trace import Metric, collect_trace, evaluate_rule
 
     model = attach_exits(small(), after=["block1", "down"], example_input=EXAMPLE).eval()
     batches = [(torch.randn(6, 3, 9, 9), torch.randint(0, 7, (6,)))]

@@ -33,7 +33,7 @@ def test_parse_backends_names_the_choices():
 
 
 def test_stream_runner_gives_the_torch_loops_stop_times_and_outputs(lista, tiny_lista):
-    from learn2stop.core.evaluation import measure_speed
+    from learn2stop.core.timing import measure_speed
 
     sm, y = lista
     planner = tiny_lista[2]

@@ -202,7 +202,7 @@ def test_a_run_no_threshold_of_which_keeps_the_baselines_accuracy_deploys_the_ne
 def test_the_deployed_epsilon_is_the_accuracy_lead_not_the_consistency_risk():
     """The stop model right on 30 images the baseline misses, wrong on 40 it gets: a lead of -10 of 100 (the
     consistency loss would count +30 %, and let the deployed rule fall below the baseline)."""
-    from learn2stop.core.evaluation import Trace
+    from learn2stop.core.trace import Trace
     from learn2stop.tasks.classify.app import APP
 
     base_last = torch.zeros(100)

@@ -9,7 +9,7 @@ import torch
 
 from learn2stop.cli import main
 from learn2stop.core import InferenceConfig, StageConfig, StoppingModel, unroll
-from learn2stop.core.evaluation import collect_trace, evaluate_rule
+from learn2stop.core.trace import collect_trace, evaluate_rule
 from learn2stop.core.loop import run_with_early_exit
 from learn2stop.core.objectives import StageObjective
 from learn2stop.core.pipeline import deployed_rule, load_stage, signal_key

@@ -16,7 +16,7 @@ from .model import StoppingModel
 from .calibration import (Calibration, InferenceConfig, calibrate_budget, calibrate_risk, load_calibration,
                           save_calibration)
 from .distributions import exit_costs, log_cost_prior
-from .evaluation import Metric, Trace, collect_trace, evaluate_rule
+from .trace import Metric, Trace, collect_trace, evaluate_rule
 from .exits import ExitNetwork, attach_exits, sdn_exit_points
 from .objectives import OBJECTIVES, MethodConfig, StageConfig, StageObjective
 from .pipeline import Stage, StoppingApp, load_stage, run_pipeline

@@ -29,9 +29,12 @@ from ..utils.distributed import DistContext
 from ..utils.report import write_json, write_text_atomic
 from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rule, policy_rules, calibrate_budget, calibrate_match, calibrate_risk,
                           CalibrationTarget, load_calibration, save_calibration)
-from .evaluation import (Metric, Trace, budget_costs, budget_curve, collect_trace, extend_below, fastest_at_quality, fixed_depth_curve, frontier_markdown, head_to_head, frontier_plot,
-                         SPEED_KEYS, frontier_summary, frontier_time_plot, oracle_curve, rule_costs, speed_at_quality,
-                         speeds_side_by_side, sweep_curve, _point)
+from .curves import (budget_costs, budget_curve, extend_below, fastest_at_quality, fixed_depth_curve, frontier_point,
+                     frontier_summary, oracle_curve, rule_costs, speed_at_quality, sweep_curve)
+from .frontier_report import frontier_markdown, frontier_plot, frontier_time_plot
+from .head_to_head import head_to_head
+from .timing import SPEED_KEYS, speeds_side_by_side
+from .trace import Metric, Trace, collect_trace
 from .loop import run_with_early_exit
 from .model import StoppingModel
 from .trees import tree_cat, tree_leaves, tree_map, tree_select
@@ -743,7 +746,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=(0.3, 0.4,
     main = None
     ref_pts = curves.get("baseline_fixed_depth")
     ref = max(ref_pts, key=lambda p: p["mean_steps"]) if ref_pts else None  # the speed reference (below), or full depth
-    full = _point(test, metric, torch.full((N,), T, dtype=torch.long), test.fixed_depth_costs)
+    full = frontier_point(test, metric, torch.full((N,), T, dtype=torch.long), test.fixed_depth_costs)
     goal = (ref if ref is not None else full)["metric"]
     if sm.policy is not None:
         check_policy_rule(app.inference(cfg).rule, sm, "inference.rule")

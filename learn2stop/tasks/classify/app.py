@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from ...core import Metric, StageConfig, StoppingModel, derive_seed
-from ...core.evaluation import collect_trace, evaluate_rule
+from ...core.trace import collect_trace, evaluate_rule
 from ...core.loop import run_with_early_exit
 from ...core.pipeline import (Stage, StoppingApp, check_config, deployed_model, deployed_rule, load_stage,
                               served_baseline, stop_model_trace)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ...core import FixedDepth, Metric, StoppingModel, derive_seed, run_with_early_exit
-from ...core.evaluation import collect_trace, evaluate_rule
+from ...core.trace import collect_trace, evaluate_rule
 from ...core.pipeline import Stage, StoppingApp, check_config, deployed_model, deployed_rule, load_stage, min_step_hook
 from ...core.rules import ToleranceSignal
 from ...utils.config import ConfigError, to_dict

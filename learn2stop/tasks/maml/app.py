@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, ToleranceSignal
-from ...core.evaluation import collect_trace, evaluate_rule
+from ...core.trace import collect_trace, evaluate_rule
 from ...core.objectives import stage_field
 from ...core.rules import FixedDepth, PatienceSignal
 from ...core.pipeline import Stage, StoppingApp, check_config, deployed_rule, load_stage, signal_key

@@ -17,7 +17,7 @@ import torch
 
 from ...core import Metric, StoppingModel, log_stop_time_distribution, stop_time_distribution
 from ...core.distributions import replanned_log_q
-from ...core.evaluation import collect_trace, evaluate_rule
+from ...core.trace import collect_trace, evaluate_rule
 from ...core.loop import unroll
 from ...core.pipeline import (Stage, StoppingApp, check_config, deployed_rule, load_stage,
                               min_step_hook, stop_model_trace)

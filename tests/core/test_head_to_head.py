@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from learn2stop.core import Metric, first_crossing
-from learn2stop.core.evaluation import (Trace, head_to_head, head_to_head_markdown, paired_difference,
-                                        stops_at_cost)
+from learn2stop.core.frontier_report import head_to_head_markdown
+from learn2stop.core.head_to_head import head_to_head, paired_difference, stops_at_cost
+from learn2stop.core.trace import Trace
 
 ERR = Metric("err", lambda o, t: o, lower_is_better=True)
 

@@ -1,0 +1,118 @@
+"""Wall-clock speed of real early exit: samples per second of a rule, jobs measured side by side, and the
+cumulative seconds of exiting at each step (a price on time instead of FLOPs)."""
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import time
+from typing import Any, Callable
+
+import torch
+
+from .loop import _first, _step, run_with_early_exit
+from .trees import tree_leaves, tree_map
+
+#: a curve point's speeds: samples per second at batch 1 and at the large batch
+SPEED_KEYS = ("samples_per_s_batch1", "samples_per_s_batchN")
+
+
+class BackendError(ValueError):
+    """A backend (runner) that cannot run this model or rule: the message names which and why."""
+
+
+def measure_speed(model: Any, inputs: Any, rule_factory: Callable[[], Any], batch_size: int, repeats: int = 3,
+                  max_seconds: float = 2.0, runner: Callable[..., Any] = run_with_early_exit,
+                  warmup: bool = True) -> float:
+    """Samples per second of real early exit with a rule, in batches of ``batch_size`` (wall clock).
+
+    Runs over ``inputs`` (batch-first tree) chunk by chunk, after one warm-up chunk (which also compiles
+    or exports, for such a ``runner``; ``warmup=False`` skips it when the caller has already run this
+    model, rule and backend on these inputs), ``repeats`` times, and keeps the fastest pass (the least disturbed
+    by other work on the machine). A pass stops early after ``max_seconds``. On CUDA the clock waits for
+    the device. Runs under ``torch.inference_mode``. A runner that ``takes_all`` (the stream) gets every input
+    in one call with ``max_batch=batch_size``: its throughput with at most that many rows per step call.
+    """
+    leaves = tree_leaves(inputs)
+    n = leaves[0].shape[0]
+    cuda = leaves[0].is_cuda
+    if getattr(runner, "takes_all", False):  # the warm-up: a short stream
+        runner = functools.partial(runner, max_batch=batch_size)
+        chunks, warm = [inputs], tree_map(lambda x: x[:2 * batch_size], inputs)
+    else:
+        chunks = [tree_map(lambda x: x[i:i + batch_size], inputs) for i in range(0, n, batch_size)]
+        warm = chunks[0]
+    best = 0.0
+    with torch.inference_mode():  # as a deployment runs: no autograd bookkeeping, for every rule alike
+        if warmup:
+            runner(model, warm, rule_factory())
+        for _ in range(repeats):
+            if cuda:
+                torch.cuda.synchronize()
+            done, t0 = 0, time.perf_counter()
+            for c in chunks:
+                runner(model, c, rule_factory())
+                done += tree_leaves(c)[0].shape[0]
+                if time.perf_counter() - t0 > max_seconds:
+                    break
+            if cuda:
+                torch.cuda.synchronize()
+            best = max(best, done / max(time.perf_counter() - t0, 1e-9))
+    return best
+
+
+def speeds_side_by_side(jobs: list[tuple[Any, Callable[[], Any]]], inputs: Any, batch_size: int, passes: int,
+                        runner: Callable[..., Any] = run_with_early_exit, skip: set[int] | None = None,
+                        log: Callable[[str], None] | None = None) -> list[float | None]:
+    """Samples per second of each ``(model, rule_factory)`` job on ``inputs`` in batches of ``batch_size``, measured
+    side by side: ``passes`` round-robin passes over the jobs, the best per job, so that a drift in the machine's
+    load hits every job alike. Only the first pass warms up (and compiles or exports, for such a ``runner``).
+
+    A job the backend cannot run (:class:`BackendError`) gets None, is added to ``skip`` (jobs listed there are not
+    run: share one set across batch sizes) and is reported through ``log``.
+    """
+    skip = set() if skip is None else skip
+    best: list[float | None] = [None] * len(jobs)
+    for round_ in range(passes):
+        for i, (model, factory) in enumerate(jobs):
+            if i in skip:
+                continue
+            try:
+                v = measure_speed(model, inputs, factory, batch_size, repeats=1, runner=runner, warmup=round_ == 0)
+            except BackendError as e:
+                skip.add(i)
+                if log is not None:
+                    log(f"{e}; that job has no speed on this backend")
+                continue
+            best[i] = max(best[i] or 0.0, v)
+    return [None if i in skip else b for i, b in enumerate(best)]
+
+
+def measure_exit_costs(model: Any, inputs: Any, repeats: int = 5) -> list[float]:
+    """Cumulative wall-clock seconds of exiting at steps 1..T, on this machine, for the batch ``inputs``.
+
+    Each step's time is the fastest of ``repeats`` full rollouts (after one warm-up rollout), under
+    ``torch.inference_mode``; on CUDA the clock waits for the device. A price on time instead of FLOPs:
+    the result can be a model's ``exit_costs``. Measured on the 2-core CPU with the quick ResNet-20 at
+    batch 256, the cumulative time of its exits ran 4-18 points of the whole above their FLOPs share (its
+    early 32x32 blocks do fewer FLOPs per second than the late 8x8 ones), so FLOPs undercount what an early
+    exit costs there (``benchmarks/exit_costs.py`` prints both).
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1; got {repeats!r}")
+    cuda = tree_leaves(inputs)[0].is_cuda
+    T = model.num_steps
+    best = [math.inf] * T
+    with torch.inference_mode():
+        for rollout in range(repeats + 1):  # rollout 0 warms up
+            state = _first(model.initial_state, model, inputs)
+            for t in range(1, T + 1):
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                state, _ = _step(model, t, state, inputs)
+                if cuda:
+                    torch.cuda.synchronize()
+                if rollout:
+                    best[t - 1] = min(best[t - 1], time.perf_counter() - t0)
+    return list(itertools.accumulate(best))
