@@ -5,7 +5,10 @@ import torch
 from torch import nn
 
 from learn2stop.core import Metric
-from learn2stop.core.curves import speed_at_quality
+from learn2stop.core.curves import budget_curve, extend_below, fastest_at_quality, speed_at_quality
+from learn2stop.core.frontier_report import _time_table
+from learn2stop.core.rules import make_signal
+from learn2stop.core.trace import Trace
 
 
 def test_speed_at_quality_interpolates_the_crossing():
@@ -32,16 +35,12 @@ def test_speed_at_quality_flags_a_curve_already_better_at_its_cheapest_point():
                             "tie": [{"mean_steps": 3, "metric": 1.0, "samples_per_s_batch1": 200.0}]}, metric, ref)
     assert out["early"]["lower_bound"] and out["early"]["speedup_batch1"] == pytest.approx(3.0)
     assert out["tie"]["reaches"] and not out["tie"]["lower_bound"]  # it reaches the target exactly there
-    from learn2stop.core.frontier_report import _time_table
-
     table = _time_table({"batch_n": 8}, out, {"name": "full depth", **ref}, "torch")
     assert "| early (cheapest point) | <= 3 | >= 3 |" in table and "| tie | 3" in table
     assert "Fastest there: at batch 1 early (>= 3x)." in table
 
 
 def test_fastest_at_quality_picks_each_batch_sizes_fastest_curve_and_never_the_oracle():
-    from learn2stop.core.curves import fastest_at_quality
-
     at = {"policy": {"reaches": True, "speedup_batch1": 1.2, "speedup_batchN": 2.0},
           "fixed_depth": {"reaches": True, "speedup_batch1": 1.5, "speedup_batchN": 1.1, "lower_bound": True},
           "tolerance": {"reaches": False, "best_metric": 3.0},
@@ -53,10 +52,6 @@ def test_fastest_at_quality_picks_each_batch_sizes_fastest_curve_and_never_the_o
 
 
 def test_a_budget_curve_better_than_the_reference_at_its_cheapest_budget_is_extended_below_it():
-    from learn2stop.core.curves import budget_curve, extend_below
-    from learn2stop.core.trace import Trace
-    from learn2stop.core.rules import make_signal
-
     # 8 steps, error 1.0 at step 1 and 0.0 from step 2 on; the policy's score says "stop" from step 2 on for every
     # sample but with a spread, so cheap budgets stop some samples at step 1
     g = torch.Generator().manual_seed(0)

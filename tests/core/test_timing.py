@@ -4,11 +4,12 @@ import torch
 from torch import nn
 
 from learn2stop.core import ConfidenceSignal, SignalRule, run_with_early_exit
+from learn2stop.core.distributions import exit_costs
+from learn2stop.core.timing import measure_exit_costs, measure_speed
 from test_stopping_pays import Toy
 
 
 def test_measure_speed_warms_up_once_and_only_when_asked():
-    from learn2stop.core.timing import measure_speed
     model, x = Toy(), torch.randn(10, 6)
     seen = []
 
@@ -25,9 +26,6 @@ def test_measure_speed_warms_up_once_and_only_when_asked():
 
 def test_measure_exit_costs_are_cumulative_seconds_per_step_and_serve_as_exit_costs():
     import time as _time
-
-    from learn2stop.core.distributions import exit_costs
-    from learn2stop.core.timing import measure_exit_costs
 
     class Slow(nn.Module):  # step t sleeps t ms: cumulative costs about 1, 3, 6, 10 ms
         num_steps = 4
