@@ -100,7 +100,7 @@ def test_the_in_time_table_lists_a_rule_that_never_reaches_the_quality():
 
     result = {"metric": "accuracy (%)", "reference": "the network alone at full depth", "calibration": "matched",
               "deployed": "quantile", "backend": "torch", "device": "cpu", "passes": {"1": 9, "256": 3},
-              "batch_sizes": [1, 256],
+              "batch_sizes": [1, 256], "serve_batch": 1,
               "rows": [{"rule": "baseline", "name": "the network alone at full depth", "metric": 73.2, "mean_steps": 7.0,
                         "mean_cost": 1.0, "samples_per_s": {1: 100.0, 256: 1000.0}, "speedup": {1: 1.0, 256: 1.0}},
                        {"rule": "quantile", "name": "quantile (deployed)", "reached": False},
@@ -112,3 +112,20 @@ def test_the_in_time_table_lists_a_rule_that_never_reaches_the_quality():
     assert "| fixed, depth 6 | 73.5 | 6.00 | 80.0 | 120 | 1.20× | - | - |" in text
     assert "batch 1: fixed, depth 6; batch 256: the network alone at full depth" in text
     assert "9 at batch 1, 3 at batch 256" in text
+
+
+def test_the_deployment_is_the_fastest_certified_rule_with_ties_to_the_least_cost():
+    from learn2stop.core.pipeline import SPEED_TIE, fastest_certified
+
+    costs = {"baseline": 1.0, "price": 0.62, "fixed": 0.75, "tolerance": 0.70}
+    # a clear winner is deployed whatever its cost
+    assert fastest_certified({"baseline": 100.0, "price": 90.0, "fixed": 130.0, "tolerance": 80.0}, costs) == "fixed"
+    # within the timing noise of the fastest, the tie goes to the fewest steps on validation
+    near = 130.0 * (1 - SPEED_TIE / 2)
+    assert fastest_certified({"baseline": 100.0, "price": near, "fixed": 130.0}, costs) == "price"
+    assert fastest_certified({"baseline": 100.0, "price": 130.0 * (1 - 2 * SPEED_TIE), "fixed": 130.0}, costs) == "fixed"
+    # a stop model whose every certified rule is slower than the baseline deploys the baseline
+    assert fastest_certified({"baseline": 200.0, "price": 150.0, "fixed": 160.0}, costs) == "baseline"
+    # rules not timed (None), or without a calibration (no cost), are not candidates
+    assert fastest_certified({"baseline": 100.0, "price": None, "unknown": 999.0}, costs) == "baseline"
+    assert fastest_certified({}, costs) is None

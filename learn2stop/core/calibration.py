@@ -53,12 +53,15 @@ class InferenceConfig:
     param: the rule's parameter.
     sampled: stop with probability pi_t instead (the paper's stochastic q_phi); ignores rule/param.
     use_calibrated: use ``calibration.json`` of the run directory when it exists.
+    serve_batch: the batch size the model is served at: ``reproduce`` deploys the rule that is fastest at it among
+        those certified to keep the baseline's quality, timed on this machine.
     """
 
     rule: str = "quantile"
     param: float = 0.5
     sampled: bool = False
     use_calibrated: bool = True
+    serve_batch: int = 1
 
     def __post_init__(self):
         one_of(self.rule, list(SIGNALS), "inference.rule")
@@ -68,6 +71,8 @@ class InferenceConfig:
         for name in ("sampled", "use_calibrated"):
             require(isinstance(getattr(self, name), bool), f"inference.{name}",
                     f"must be true or false; got {getattr(self, name)!r}")
+        require(isinstance(self.serve_batch, int) and not isinstance(self.serve_batch, bool) and self.serve_batch >= 1,
+                "inference.serve_batch", f"must be an integer >= 1; got {self.serve_batch!r}")
 
     @property
     def uses_policy(self) -> bool:
@@ -109,7 +114,7 @@ PARAM_RANGES = {
     "tolerance": (lambda p: p > 0, "> 0 (the change between steps below which to stop)"),
     "confidence": (lambda p: 0 < p <= 1, "in (0, 1] (a softmax probability)"),
     "entropy": (lambda p: p > 0, "> 0 (an entropy in nats)"),
-    "patience": (lambda p: float(p).is_integer() and p >= 1, "an integer >= 1 (exits in a row)"),
+    "patience": (lambda p: float(p).is_integer() and p >= 0, "an integer >= 0 (exits in a row; 0 stops at the first exit)"),
     "price": (lambda p: True, "a finite number (the price of full depth in log-probability units; 0 = the plan's MAP)"),
     "fixed": (lambda p: float(p).is_integer() and p >= 1, "an integer >= 1 (the depth)"),
 }

@@ -530,7 +530,7 @@ def _fastest_calibration(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel
 
 
 def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0.1) -> Calibration | None:
-    """The operating point a user deploys: keep the baseline's quality, with a guarantee, at the least cost.
+    """The operating point a user deploys: keep the baseline's quality, with a guarantee, as fast as it goes.
 
     The policy rule (``inference.rule``, or ``quantile``) is calibrated by Learn-then-Test on the validation
     split with epsilon = the stop model's lead over the baseline at full depth (:meth:`StoppingApp.quality_lead`),
@@ -541,15 +541,15 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
     (target kind ``match``). None when no threshold reaches it: then the run deploys the baseline at full depth,
     recorded with the reason in ``deployment.json`` (:func:`served_baseline`).
 
-    A fixed depth of the stop model is calibrated for the same target too, and deployed instead where it costs no more
-    on validation than the policy rule (or the policy rule reaches no threshold): it then does what the policy would,
-    without a policy call (the saved calibration's ``target["instead_of"]`` names the rule it replaced). Only where
-    neither reaches the target does the run deploy the baseline.
-
-    With ``app.deploy_in_time`` (the default) every other rule of the task (the classical ones, a fixed depth) is
-    calibrated for the same target too, and each is timed side by side with the baseline at full depth, at batch 1
-    and at the task's speed batch: ``in_time.json`` / ``in_time.md`` (:func:`deployment_in_time`), the question a
-    user asks of the deployed rule: is it faster than what they run today, and than a one-line rule?
+    Every other rule of the stop model (the other policy rules, the classical ones, a fixed depth) is calibrated for
+    the same target too, and each is timed side by side with the baseline at full depth at batch 1, at
+    ``inference.serve_batch`` and at the task's speed batch: ``in_time.json`` / ``in_time.md``
+    (:func:`deployment_in_time`). What is deployed is what a user serving at ``serve_batch`` would pick: the fastest of
+    them there (:func:`fastest_certified`: ties within :data:`SPEED_TIE` go to the least cost on validation), which
+    may be a fixed depth (it then answers as the policy would, without a policy call), a classical rule, or the
+    baseline itself when every certified rule runs slower than it. The saved calibration's ``target["instead_of"]``
+    names the policy rule it replaced. With ``app.deploy_in_time`` off (nothing timed), a fixed depth is deployed
+    where it costs no more on validation than the policy rule.
     """
     if load_calibration(run.run_dir) is not None or not app.baseline_stage:
         return None
@@ -581,18 +581,23 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
     signal = make_signal(rule, sm.policy)
     cal = calibrate(rule, val.signals[rule], budget_costs(val, app.budget_by), signal.to_param)
     policy_cal = cal
-    # a fixed depth certified for the same target at no more cost on validation does what the policy does, without it
-    fixed = calibrate("fixed", val.signals["fixed"], budget_costs(val, app.budget_by, "fixed"), DepthSignal.to_param)
-    if fixed is not None and (cal is None or fixed.calibration["mean_cost"] <= cal.calibration["mean_cost"]):
-        fixed.target["instead_of"] = ({"rule": rule, "reached": False} if cal is None else
-                                      {"rule": rule, "param": cal.param, "mean_cost": cal.calibration["mean_cost"]})
-        cal, signal = fixed, DepthSignal()
-    deployed = cal.rule if cal is not None else rule
-    if app.deploy_in_time:
-        deployment_in_time(app, cfg, run, sm, base, val, calibrate, deployed, cal is not None, how)
+    if app.deploy_in_time:  # every rule certified for the target, timed at the served batch: deploy the fastest
+        cal, why = _deploy_fastest(app, cfg, run, sm, base, val, calibrate, rule, how, policy_cal)
+    else:  # untimed: a fixed depth certified at no more cost on validation does what the policy does, without it
+        fixed = calibrate("fixed", val.signals["fixed"], budget_costs(val, app.budget_by, "fixed"), DepthSignal.to_param)
+        why = ""
+        if fixed is not None and (cal is None or fixed.calibration["mean_cost"] <= cal.calibration["mean_cost"]):
+            cal = fixed
+            why = (f"; the {rule} rule does not reach it" if policy_cal is None else
+                   f"; the {rule} rule, certified at {100 * policy_cal.calibration['mean_cost']:.1f} %, costs no less "
+                   f"and adds a policy call, so the fixed depth is deployed")
+    if cal is not None and cal.rule != rule:
+        cal.target["instead_of"] = ({"rule": rule, "reached": False} if policy_cal is None else
+                                    {"rule": rule, "param": policy_cal.param,
+                                     "mean_cost": policy_cal.calibration["mean_cost"]})
     if cal is None:
-        reason = (f"no threshold of the stop model's {rule} rule, and no fixed depth, reaches {reference} on validation "
-                  f"(full-depth lead {lead:.4g})")
+        reason = why or (f"no threshold of the stop model's {rule} rule, and no fixed depth, reaches {reference} on "
+                         f"validation (full-depth lead {lead:.4g})")
         if run.ctx.is_main:
             write_json({"stage": app.baseline_stage, "reason": reason}, Path(run.run_dir) / DEPLOYMENT_FILE)
         run.log(f"deployed: {app.baseline_label} at full depth, as {reason}; the stop model keeps the configured "
@@ -603,25 +608,67 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
         save_calibration(cal, run.run_dir)
         (Path(run.run_dir) / DEPLOYMENT_FILE).unlink(missing_ok=True)
     run.log(f"deployed rule: {cal.rule} calibrated to keep {app.baseline_stage}'s full-depth quality ({how}): "
-            f"{signal.param_name} = {cal.param:.4g}, {100 * cal.calibration['mean_cost']:.1f} % of the cost on validation"
-            + ("" if cal is policy_cal else f"; the {rule} rule does not reach it" if policy_cal is None else
-               f"; the {rule} rule, certified at {100 * policy_cal.calibration['mean_cost']:.1f} %, costs no less and "
-               f"adds a policy call, so the fixed depth is deployed"))
+            f"{SIGNALS[cal.rule].param_name} = {cal.param:.4g}, {100 * cal.calibration['mean_cost']:.1f} % of the cost "
+            f"on validation{why}")
     return cal
 
 
 IN_TIME_FILE = "in_time"
 
+#: speeds within this fraction of the fastest are a tie (best-of-passes speeds of one job move by a few per cent
+#: between runs on one machine); a tie goes to the candidate with the least cost on validation
+SPEED_TIE = 0.05
+
+
+def fastest_certified(speeds: dict[str, float], costs: dict[str, float], tie: float = SPEED_TIE) -> str | None:
+    """The candidate a user serving at one batch size deploys: the fastest (``speeds``: name -> samples/s), with the
+    candidates within ``tie`` of it counted as tied and the tie going to the least validation cost (``costs``: name
+    -> mean cost as a fraction of full depth; the baseline at full depth costs 1). None when nothing was timed."""
+    timed = {n: v for n, v in speeds.items() if v is not None and n in costs}
+    if not timed:
+        return None
+    best = max(timed.values())
+    near = [n for n, v in timed.items() if v >= (1 - tie) * best]
+    return min(near, key=lambda n: (costs[n], -timed[n]))
+
+
+def _deploy_fastest(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, base: StoppingModel, val: Trace,
+                    calibrate: Callable, rule: str, how: str, policy_cal: Calibration | None
+                    ) -> tuple[Calibration | None, str]:
+    """Every rule of the stop model certified for the target, timed beside the baseline at full depth
+    (:func:`deployment_in_time`), and the fastest at ``inference.serve_batch`` chosen (:func:`fastest_certified`):
+    (its calibration, or None where the baseline is fastest or nothing reaches the target; the reason in words)."""
+    serve = app.inference(cfg).serve_batch
+    result, cals = deployment_in_time(app, cfg, run, sm, base, val, calibrate, rule, how, serve)
+    size = result["serve_batch"]
+    speeds = {row["rule"]: row.get("samples_per_s", {}).get(size) for row in result["rows"]}
+    costs = {"baseline": 1.0, **{r: c.calibration["mean_cost"] for r, c in cals.items()}}
+    pick = fastest_certified(speeds, costs)
+    ref = speeds.get("baseline")
+    if pick is None:  # nothing timed (a backend that runs none of them): the least cost on validation
+        pick = min(cals, key=lambda r: cals[r].calibration["mean_cost"]) if cals else "baseline"
+        why = f"; no rule was timed at batch {size}, so the least cost on validation is deployed"
+    elif pick == "baseline":
+        quickest = max(cals, key=lambda r: speeds.get(r) or 0.0, default=None)
+        why = ("" if quickest is None else
+               f"every rule of the stop model certified to keep its quality runs slower than {app.baseline_label} at "
+               f"full depth at batch {size} (the fastest, {quickest}, at {(speeds.get(quickest) or 0.0) / ref:.2f}x)")
+    else:
+        rate = f", {speeds[pick] / ref:.2f}x {app.baseline_label} at full depth" if ref else ""
+        why = (f"; the fastest certified at batch {size} ({speeds[pick]:,.0f} samples/s{rate}; ties within "
+               f"{100 * SPEED_TIE:.0f} % go to the least cost)")
+    _write_in_time(app, run, result, pick)
+    return (None if pick == "baseline" else cals[pick]), why
+
 
 def deployment_in_time(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, base: StoppingModel, val: Trace,
-                       calibrate: Callable, main: str, stop_model_deployed: bool, how: str) -> dict:
+                       calibrate: Callable, main: str, how: str, serve_batch: int = 1) -> tuple[dict, dict]:
     """Every rule of the task calibrated on validation to keep the baseline's full-depth quality (``calibrate``, as
-    :func:`deploy_calibration` does for the deployed policy rule), scored on test, and timed side by side with the
-    baseline at full depth at batch 1 and at the task's speed batch. Written as ``in_time.json`` and ``in_time.md``
-    (and logged); a rule that no threshold brings to the baseline's quality on validation is listed as such.
-    ``main``: the policy rule :func:`deploy_calibration` calibrated; ``stop_model_deployed``: whether it reached the
-    baseline's quality (else the run serves the baseline, marked deployed)."""
-    deployed = main if stop_model_deployed else "baseline"
+    :func:`deploy_calibration` does for the policy rule ``main``), scored on test, and timed side by side with the
+    baseline at full depth at batch 1, at ``serve_batch`` and at the task's speed batch. Returns (the ``in_time``
+    record, {rule: Calibration} of the rules that reach the target); a rule that no threshold brings to the
+    baseline's quality on validation is listed as such. :func:`_write_in_time` marks the deployed row and writes
+    ``in_time.json`` and ``in_time.md``."""
     metric = app.metric(cfg)
     test = stop_model_trace(app, cfg, sm, "test", run.device)
     base_test = collect_trace(base.model, app.eval_batches(cfg, "test", run.device), metric, run.device,
@@ -630,24 +677,22 @@ def deployment_in_time(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, 
     cals = _calibrate_each(app, cfg, sm, val, test, rules, calibrate)
     jobs = {"baseline": (base.model, FixedDepth)}
     jobs.update({r: (sm.model, lambda c=c: calibrated_rule(app, cfg, sm, c)) for r, c in cals.items()})
-    speeds, bname, sizes = _speeds(app, cfg, run, jobs, (1, app.speed_batch))
+    speeds, bname, sizes = _speeds(app, cfg, run, jobs, tuple(dict.fromkeys((1, serve_batch, app.speed_batch))))
     ref = speeds.get("baseline", {})
-    rows = [{"rule": "baseline", "name": f"{app.baseline_label} at full depth"
-             + (" (deployed)" if deployed == "baseline" else ""),
+    rows = [{"rule": "baseline", "name": f"{app.baseline_label} at full depth",
              # full depth in the stop model's steps (MAML's baseline makes its ten updates as one output)
              "metric": metric(base_test.metric[:, -1], base_test.extras), "mean_steps": float(test.num_steps),
              "mean_cost": 1.0, "samples_per_s": speeds.get("baseline", {})}]
     for r in rules:
         c = cals.get(r)
-        label = f"{r} (deployed)" if r == deployed else r
         if c is None:
-            rows.append({"rule": r, "name": label, "reached": False})
+            rows.append({"rule": r, "name": r, "reached": False})
             continue
         param = SIGNALS[r].param_name + " " + (f"{c.param:.4g}" if math.isfinite(c.param) else "inf (full depth)")
-        rows.append({"rule": r, "name": f"{label}, {param}", "reached": True,
+        rows.append({"rule": r, "name": f"{r}, {param}", "reached": True,
                      "param": c.param if math.isfinite(c.param) else None, "metric": c.test["metric"],
                      "mean_steps": c.test["mean_steps"], "mean_cost": c.test["mean_cost"],
-                     "samples_per_s": speeds.get(r, {})})
+                     "val_mean_cost": c.calibration["mean_cost"], "samples_per_s": speeds.get(r, {})})
     for row in rows:
         row["speedup"] = {n: row["samples_per_s"][n] / ref[n] for n in row.get("samples_per_s", {}) if n in ref}
     fastest = {}
@@ -656,16 +701,25 @@ def deployment_in_time(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, 
         if got:
             fastest[n] = max(got, key=got.get)
     result = {"metric": metric.name, "reference": f"{app.baseline_label} at full depth", "calibration": how,
-              "deployed": deployed, "backend": bname, "device": str(run.device or "cpu"),
+              "backend": bname, "device": str(run.device or "cpu"),
               "passes": {str(n): _passes(app, n) for n in sorted(set(sizes.values()))},
-              "batch_sizes": sorted(set(sizes.values())), "rows": rows,
+              "batch_sizes": sorted(set(sizes.values())), "serve_batch": sizes[serve_batch], "rows": rows,
               "fastest": {str(n): r for n, r in fastest.items()}}
+    return result, cals
+
+
+def _write_in_time(app: StoppingApp, run: Run, result: dict, deployed: str) -> None:
+    """Mark the deployed row of an ``in_time`` record and write ``in_time.json`` / ``in_time.md`` (and log it)."""
+    result["deployed"] = deployed
+    for row in result["rows"]:
+        if row["rule"] == deployed:
+            row["name"] = (f"{row['name']} (deployed)" if deployed == "baseline" else
+                           row["name"].replace(deployed, f"{deployed} (deployed)", 1))
     text = in_time_markdown(result)
     if run.ctx.is_main:
         write_json(result, Path(run.run_dir) / f"{IN_TIME_FILE}.json")
         write_text_atomic(Path(run.run_dir) / f"{IN_TIME_FILE}.md", text + "\n")
     run.log(text)
-    return result
 
 
 def in_time_markdown(result: dict) -> str:
@@ -692,7 +746,8 @@ def in_time_markdown(result: dict) -> str:
     names = {row["rule"]: row["name"] for row in result["rows"]}
     lines.append("\nFastest at the baseline's quality: " + "; ".join(
         f"batch {n}: {names[r]}" for n, r in result["fastest"].items())
-                 + ". `calibrate --epsilon E --fastest --speed-batch N` deploys the stop model's fastest rule at batch N.")
+                 + f". Deployed: the fastest at the served batch ({result['serve_batch']}, `inference.serve_batch`), "
+                   f"ties within {100 * SPEED_TIE:.0f} % going to the least cost on validation.")
     return "\n".join(lines)
 
 
