@@ -298,8 +298,13 @@ def test_denoise_never_overwrites_its_input(denoise_run, tmp_path, capsys):
     (folder / "x_denoised.png").rename(folder / "x.jpg")
     assert main(["denoise", "denoise", *denoise_run, "--denoise.input", str(folder), "--denoise.output", str(out)]) == 2
     _refused(capsys, "denoise.input", "x_denoised.png")
-    # a good output, twice: its own depths.json is replaced
+    # a good output, twice: its own depths.json is replaced; an image it replaces is replaced whole (atomically),
+    # never written through, so another name of that file (a hard link) keeps its bytes
     (out / "depths.json").unlink()
+    elsewhere = _image(tmp_path / "elsewhere.png", seed=3)
+    (out / "a_denoised.png").hardlink_to(elsewhere)
+    kept = elsewhere.read_bytes()
     for _ in range(2):
         assert main(["denoise", "denoise", *denoise_run, "--denoise.input", str(src), "--denoise.output", str(out)]) == 0
     assert json.loads((out / "depths.json").read_text())[0]["input"] == str(src)
+    assert elsewhere.read_bytes() == kept and (out / "a_denoised.png").read_bytes() != kept
