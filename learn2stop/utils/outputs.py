@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import tempfile
@@ -112,14 +113,12 @@ def run_record(path: str | os.PathLike, run_dirs: Iterable[str | os.PathLike] = 
 def json_output(*keys: str, rows: bool = False) -> Ours:
     """An :data:`Ours` check for a JSON output of a command: an object holding ``keys`` (``rows``: a list of
     such objects, e.g. one per image). Anything else (an image, the user's notes) is not ours."""
-    import json
-
     def ours(path: Path) -> str | None:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError):
             return "not JSON"
-        items = data if rows and isinstance(data, list) else [data]
+        items = data if rows and isinstance(data, list) and data else [data]
         if not all(isinstance(d, dict) and all(k in d for k in keys) for d in items):
             return f"JSON without {' and '.join(repr(k) for k in keys)}{' in every row' if rows else ''}"
         return None
@@ -129,6 +128,13 @@ def json_output(*keys: str, rows: bool = False) -> Ours:
 
 def _check_place(path: str | os.PathLike, arg: str, run_dirs: Iterable[str | os.PathLike]) -> Path:
     """The checks every output shares: a valid name, not a run record, a parent that takes new files."""
+    try:
+        return _place(path, arg, run_dirs)
+    except OSError as e:  # a folder on the way that cannot be looked into
+        raise OutputError(f"{arg}: {path} cannot be reached: {reason(e)}") from None
+
+
+def _place(path: str | os.PathLike, arg: str, run_dirs: Iterable[str | os.PathLike]) -> Path:
     text = os.fspath(path) if path is not None else ""
     if not text or "\0" in text:
         raise OutputError(f"{arg}: give a path to write to; got {text!r}")
