@@ -13,8 +13,10 @@ What is written to ``out_dir``:
   inference config), the inputs and outputs (names, shapes with ``null`` for the batch, dtypes), each
   graph's own inputs and outputs, the exit costs and the sha256 of every graph file.
 
-The folder is written to a temporary sibling and renamed into place: nothing is ever half-written,
-and an earlier export at the same place is replaced only once the new one is complete.
+The folder is written to a temporary sibling and renamed into place: nothing is ever half-written.
+``out_dir`` must be new, empty or a complete earlier export (:func:`export_mismatch`: its manifest lists
+every file in it, each with its sha256); that one is kept at ``<out_dir>.previous`` once the new one is
+complete. Anything else is refused before any work (:mod:`learn2stop.utils.outputs`).
 
 The graphs are traced with torch's TorchScript-based exporter (``torch.onnx.export(dynamo=False)``, opset
 17): it needs nothing beyond ``onnx`` and drops the inputs a step never reads, which tells the runtime what
@@ -44,8 +46,10 @@ from .core.calibration import Calibration, InferenceConfig
 from .core.loop import NEVER_STOP_LOGIT, check_stepwise, member
 from .core.trees import check_inputs
 from .core.rules import SIGNALS, DepthSignal
-from .runtime.manifest import sha256_file
+from .runtime.manifest import ManifestError, read_manifest, sha256_file
 from .utils.config import ConfigError
+from .utils.outputs import OutputError, check_output_folder, previous_path, replace_folder, writing
+from .utils.outputs import reason as _os_reason
 
 FORMAT = "learn2stop-onnx"
 FORMAT_VERSION = 1
@@ -206,25 +210,33 @@ def _used_inputs(path: Path) -> list[str]:
     return [i.name for i in onnx.load(str(path), load_external_data=False).graph.input]
 
 
-def is_export(folder: str | Path) -> bool:
-    """True if ``folder`` holds an earlier export (a manifest of this format)."""
-    path = Path(folder) / MANIFEST
+def export_mismatch(folder: str | Path) -> str | None:
+    """Why ``folder`` is not a complete export of ours, or None if it is: a valid manifest of this format, every
+    file it lists present with its sha256, and nothing else in the folder (only then may an export replace it)."""
+    folder = Path(folder)
     try:
-        return json.loads(path.read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
+        m = read_manifest(folder, verify=True)
+    except ManifestError as e:
+        return str(e).removesuffix("; export the run again")
+    except (OSError, UnicodeDecodeError) as e:
+        return f"{folder / MANIFEST} cannot be read ({e.strerror or type(e).__name__})"
+    listed = {MANIFEST, *(s["file"] for s in m["steps"])}
+    extra = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir() if p.name not in listed)
+    if extra:
+        return f"it also holds {', '.join(extra[:3])}{' and more' if len(extra) > 3 else ''}, not listed in its {MANIFEST}"
+    return None
 
 
-def check_out_dir(out: str | Path | None) -> None:
-    """Refuse an output folder that is missing, a file, or a non-empty folder that is not an earlier export."""
+def check_out_dir(out: str | Path | None, arg: str = "--out", run_dir: str | Path | None = None) -> Path:
+    """Check, before any work, the folder an export is written to (:func:`learn2stop.utils.outputs.check_output_folder`):
+    a new folder, an empty one or a complete earlier export (kept at ``<out>.previous`` when replaced); never a
+    record of ``run_dir``, a file, or a folder holding anything else. Returns it absolute."""
     if not out:
-        raise ExportError("--out: give the folder to write the export to (a new folder, or an earlier export)")
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"--out: {out} exists and is a file; give a new folder or an earlier export")
-    if out.is_dir() and any(out.iterdir()) and not is_export(out):
-        raise ExportError(f"--out: {out} exists and is not an earlier export (no {MANIFEST} of format {FORMAT!r}); "
-                          "give a new folder: nothing there is overwritten")
+        raise ExportError(f"{arg}: give the folder to write the export to (a new folder, or an earlier export)")
+    try:
+        return check_output_folder(out, arg, export_mismatch, run_dirs=[run_dir] if run_dir else [], what="export")
+    except OutputError as e:
+        raise ExportError(str(e)) from None
 
 
 def _without_extra_state(module: nn.Module) -> nn.Module:
@@ -281,7 +293,8 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
         rule: the deployed rule, see :func:`rule_spec` (an InferenceConfig, a Calibration or a dict).
         example_inputs: a batch of real inputs (batch-first tensor or tree); the graphs are traced on
             it with a dynamic batch size, every other dimension fixed to these.
-        out_dir: a new folder, or an earlier export (replaced once the new one is complete).
+        out_dir: a new folder, an empty one, or a complete earlier export (kept at ``<out_dir>.previous`` once the
+            new one is complete).
         task: the task's name, recorded in the manifest.
         exit_costs: cumulative cost of stopping at t = 1..T (default: the model's ``exit_costs``, else t).
         dynamic_dims: input leaf name -> dims besides the batch that may vary (images of any size:
@@ -294,7 +307,7 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
     except ImportError:
         raise ExportError("export needs the 'onnx' package: pip install -e \".[deploy]\"") from None
     out = Path(out_dir)
-    check_out_dir(out)
+    check_out_dir(out, "out_dir")
     model, policy = sm.model, getattr(sm, "policy", None)
     check_stepwise(model)
     check_inputs(example_inputs, "example inputs")
@@ -331,7 +344,8 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
 
     tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    with writing("out_dir", out):  # an error names the folder asked for, not this hidden one
+        tmp.mkdir(parents=True)
     try:
         steps, state = [], state0
         for t in range(1, plan["last"] + 1):
@@ -362,8 +376,10 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
             path = tmp / f"step_{t:02d}.onnx"
             try:
                 _onnx_export(g, args, path, g_in, g_out, opset, dynamic)
-            except ImportError:
+            except (ImportError, ExportError):
                 raise
+            except OSError as e:
+                raise ExportError(f"cannot write the export {out}: {_os_reason(e)}") from None
             except Exception as e:  # the exporter's errors are long; the first line says what failed
                 raise ExportError(f"step {t} of {type(model).__name__} cannot be exported to ONNX: "
                                   f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
@@ -382,23 +398,13 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
             "state": _describe(state_names, state_leaves, dynamic), "exit_costs": costs, "steps": steps,
             "opset": opset, "exported_with": {"torch": torch.__version__}, **(extra or {}),
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, allow_nan=False) + "\n")
-        _replace(tmp, out)
+        with writing("out_dir", out):
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, allow_nan=False) + "\n")
+        replace_folder(tmp, out, export_mismatch, "out_dir", "export")  # an earlier export is kept at <out>.previous
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished export into place; an earlier export (or an empty folder) is removed only after."""
-    if not out.exists():
-        tmp.rename(out)
-        return
-    old = out.parent / f".{out.name}.export-old-{os.getpid()}"
-    out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- the CLI command
@@ -410,7 +416,8 @@ def export_command(app: Any, cfg: Any, run: Any, *, out: str | None, task: str =
     why = getattr(app, "export_unsupported", "")
     if why:
         raise ConfigError(f"export: {why}")
-    check_out_dir(out)
+    check_out_dir(out, "--out", run.run_dir)
+    replacing = Path(out).is_dir() and any(Path(out).iterdir())
     _require_trained(run.run_dir, app.stop_stage, "export")
     sm = load_stage(app, cfg, run.run_dir, app.stop_stage, "cpu")
     inference = app.inference(cfg)
@@ -423,7 +430,8 @@ def export_command(app: Any, cfg: Any, run: Any, *, out: str | None, task: str =
     manifest = json.loads((path / MANIFEST).read_text())
     r = manifest["rule"]
     run.log(f"exported stage {app.stop_stage!r} of {run.run_dir} to {path}: {manifest['last_step']} step graphs, "
-            f"rule {r['name']} (param {r['param']}, from {r['source']})")
+            f"rule {r['name']} (param {r['param']}, from {r['source']})"
+            + (f"; the earlier export is kept in {previous_path(path)}" if replacing else ""))
     reason = served_baseline(app, cfg, run.run_dir)
     if reason is not None:
         run.log(f"note: the run deploys {app.baseline_label} at full depth, not this stop model: {reason}")

@@ -435,10 +435,31 @@ def calibrate_risk(scores: Tensor, risk_losses: Tensor, epsilon: float, delta: f
 
 
 # ----------------------------------------------------------------------------- persistence
+def calibration_mismatch(path: Path) -> str | None:
+    """Why ``path`` is not a calibration of ours (None: it is one, field by field)."""
+    try:
+        Calibration.from_dict(json.loads(path.read_text(encoding="utf-8")), where=str(path))
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # ConfigError is a ValueError
+        return str(e) if isinstance(e, ConfigError) else "not valid JSON"
+    return None
+
+
+def check_calibration_replace(run_dir: str | Path) -> None:
+    """Refuse, before any work, a calibration whose earlier one could not be kept (``calibration.previous.json``
+    holds something not ours): :func:`save_calibration` never drops a calibration unseen."""
+    from ..utils.outputs import check_previous_file
+
+    check_previous_file(Path(run_dir) / CALIBRATION_FILE, calibration_mismatch, "calibration")
+
+
 def save_calibration(cal: Calibration, run_dir: str | Path) -> Path:
+    """Write ``cal`` as the run's ``calibration.json`` (atomic); one it replaces is kept in
+    ``calibration.previous.json`` first (an older one there only replaced if it is a calibration too)."""
+    from ..utils.outputs import keep_previous_file
     from ..utils.report import write_json
 
     path = Path(run_dir) / CALIBRATION_FILE
+    keep_previous_file(path, calibration_mismatch, "calibration")
     write_json(cal.to_dict(), path)
     return path
 

@@ -26,9 +26,11 @@ import torch
 
 from ..utils.config import ConfigError
 from ..utils.distributed import DistContext
+from ..utils.outputs import previous_path
 from ..utils.report import write_json, write_text_atomic
 from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rule, policy_rules, calibrate_budget, calibrate_match, calibrate_risk,
-                          CalibrationTarget, load_calibration, save_calibration)
+                          CALIBRATION_FILE, CalibrationTarget, check_calibration_replace, load_calibration,
+                          save_calibration)
 from .curves import (budget_costs, budget_curve, extend_below, fastest_at_quality, fixed_depth_curve, frontier_point,
                      frontier_summary, oracle_curve, rule_costs, speed_at_quality, sweep_curve)
 from .frontier_report import frontier_markdown, frontier_plot, frontier_time_plot
@@ -473,6 +475,7 @@ def calibrate_command(app: StoppingApp, cfg: Any, run: Run, target: CalibrationT
     if speed_batch is not None and not fastest:
         raise ConfigError("--speed-batch: only calibrate --fastest times rules; add --fastest or drop it")
     _require_trained(run.run_dir, app.stop_stage, "calibrate")
+    check_calibration_replace(run.run_dir)  # before any work: the calibration this replaces can be kept
     sm = load_stage(app, cfg, run.run_dir, app.stop_stage, run.device)
     if fastest:
         rules = model_rules(app, cfg, sm)
@@ -498,10 +501,13 @@ def calibrate_command(app: StoppingApp, cfg: Any, run: Run, target: CalibrationT
         cal = _fastest_calibration(app, cfg, run, sm, cals, speed_batch)
     else:
         cal = cals[rules[0]]
+    path = Path(run.run_dir) / CALIBRATION_FILE
+    replacing = path.is_file()
     if run.ctx.is_main:
         save_calibration(cal, run.run_dir)
     run.log(f"calibrated {cal.rule} rule: {SIGNALS[cal.rule].param_name} = {cal.param:.4g} for {cal.target}\n"
-            f"  validation: {cal.calibration}\n  test: {cal.test}\n  saved to {Path(run.run_dir) / 'calibration.json'}")
+            f"  validation: {cal.calibration}\n  test: {cal.test}\n  saved to {path}"
+            + (f"; the calibration it replaces is kept in {previous_path(path)}" if replacing else ""))
     return cal
 
 

@@ -30,6 +30,7 @@ from ...core.calibration import calibrate_budget
 from ...utils.config import ConfigError
 from ...utils.report import markdown_table, write_json
 from ...utils.images import list_image_files
+from ...utils.outputs import check_output_file, json_output, writing
 from ..base import TaskSpec, as_run, register_task, reproduce_pipeline, train_pipeline
 from .config import PRESETS, SOURCES, ClassifyConfig  # noqa: F401  (the task's public names)
 from .data import ImageDataError, load_image_file
@@ -225,8 +226,10 @@ def predict(cfg: ClassifyConfig, run) -> dict:
     src = Path(cfg.predict.input)
     if not cfg.predict.input or not src.exists():
         raise ConfigError(f"predict.input: give an image file or folder; got {cfg.predict.input!r}")
-    imgs = APP.images(cfg)
     files = list_image_files(src, recursive=True, error=ImageDataError) if src.is_dir() else [src]
+    path = check_output_file(cfg.predict.output or run.run_dir / "predictions.json", "predict.output", inputs=files,
+                             run_dirs=[run.run_dir], ours=json_output("rule", "predictions"))  # before any work
+    imgs = APP.images(cfg)
     arrays = []
     for f in files:
         arr, notes = load_image_file(f, cfg.data.size, imgs.train.image_shape[0])
@@ -238,9 +241,9 @@ def predict(cfg: ClassifyConfig, run) -> dict:
     flops = _flops_at(sm.model, rule, r.stop_times).tolist()
     out = [{"file": str(f), "class": imgs.classes[int(c)], "exit": int(t), "flops": int(fl)}
            for f, c, t, fl in zip(files, r.outputs.argmax(1).tolist(), r.stop_times.tolist(), flops)]
-    path = Path(cfg.predict.output) if cfg.predict.output else run.run_dir / "predictions.json"
     if run.ctx.is_main:
-        write_json({"rule": desc, "predictions": out}, path)
+        with writing("predict.output", path):
+            write_json({"rule": desc, "predictions": out}, path)
     for o in out:
         run.log(f"{o['file']}: {o['class']} (exit {o['exit']}/{sm.num_steps}, {o['flops'] / 1e6:.2f} MFLOPs)")
     return {"predictions": out}

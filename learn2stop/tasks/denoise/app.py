@@ -24,6 +24,7 @@ from ...core.trace import collect_trace, evaluate_rule
 from ...core.pipeline import Stage, StoppingApp, check_config, deployed_model, deployed_rule, load_stage, min_step_hook
 from ...core.rules import ToleranceSignal
 from ...utils.config import ConfigError, to_dict
+from ...utils.outputs import check_output_file, json_output, writing
 from ...utils.report import write_json
 from ..base import RunContext, TaskSpec, as_run, register_task, reproduce_pipeline, train_pipeline
 from .data import ImageDataError, add_noise, list_images, load_image, save_image
@@ -177,6 +178,7 @@ def denoise_files(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
         raise ImageDataError(f"input not found: {src}")
     files = list_images(src) if src.is_dir() else [src]
     out_dir = Path(c.output) if c.output else run.run_dir / "denoised"
+    _check_outputs(files, out_dir, c.add_sigma > 0, run.run_dir)  # before any work: no input or run record overwritten
     if c.model == "stop":  # what the run deploys: DnCNN-stop and its rule, or its baseline where the run deploys that
         sm, rule, desc = deployed_model(APP, cfg, run.run_dir, run.device)
     else:
@@ -193,19 +195,38 @@ def denoise_files(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
         x = torch.from_numpy(img)[None, None]
         if c.add_sigma > 0:
             x = add_noise(x, c.add_sigma, torch.Generator().manual_seed(derive_seed(cfg.seed, "denoise", k)))
-            save_image(x[0, 0], out_dir / f"{path.stem}_noisy.png")
+            with writing("denoise.output", out_dir / f"{path.stem}_noisy.png"):
+                save_image(x[0, 0], out_dir / f"{path.stem}_noisy.png")
         t0 = time.perf_counter()
         with torch.no_grad():
             r = run_with_early_exit(net, x.to(run.device), rule)
         sec, t = time.perf_counter() - t0, int(r.stop_times[0])
         dst = out_dir / f"{path.stem}_denoised.png"
-        save_image(r.outputs[0, 0].clamp(0, 1), dst)
+        with writing("denoise.output", dst):
+            save_image(r.outputs[0, 0].clamp(0, 1), dst)
         records.append({"input": str(path), "output": str(dst), "model": c.model, "stop_output": t,
                         "layers": net.layers_at(t), "of_layers": net.depth, "seconds": round(sec, 4)})
         run.log(f"  {path.name} -> {dst}  ({net.layers_at(t)} of {net.depth} layers, {sec * 1000:.0f} ms)")
     if run.ctx.is_main:
-        write_json(records, out_dir / "depths.json")
+        with writing("denoise.output", out_dir / "depths.json"):
+            write_json(records, out_dir / "depths.json")
     return {"images": records}
+
+
+def _check_outputs(files: list[Path], out_dir: Path, noisy: bool, run_dir: Path) -> None:
+    """Every file the denoise command writes into ``out_dir``, checked before any work: none is an input (two
+    inputs with one stem would also write one file), a run record, or, for ``depths.json``, anything but an
+    earlier one (:mod:`learn2stop.utils.outputs`)."""
+    writes: dict[Path, Path] = {}
+    for f in files:
+        for name in (f"{f.stem}_denoised.png", *([f"{f.stem}_noisy.png"] if noisy else [])):
+            dst = check_output_file(out_dir / name, "denoise.output", inputs=files, run_dirs=[run_dir])
+            if dst in writes:
+                raise ConfigError(f"denoise.input: {writes[dst]} and {f} would both be written to {dst}; "
+                                  "rename one of them")
+            writes[dst] = f
+    check_output_file(out_dir / "depths.json", "denoise.output", inputs=files, run_dirs=[run_dir],
+                      ours=json_output("input", "output", "stop_output", rows=True))
 
 
 COMMANDS = {"train": train, "evaluate": evaluate, "reproduce": reproduce, "denoise": denoise_files}

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ...utils.checkpoint import atomic_write
 from ...utils.images import IMAGE_SUFFIXES, list_image_files, read_image  # noqa: F401 (IMAGE_SUFFIXES re-exported)
 
 
@@ -68,7 +69,7 @@ def load_folder(folder: str | Path, min_size: int = 1,
 
 
 def save_image(img: np.ndarray | Tensor, path: str | Path) -> None:
-    """Write an image in [0, 1] as 8-bit grey (PNG by suffix).
+    """Write an image in [0, 1] as 8-bit grey (PNG by suffix), atomically (a temporary file renamed into place).
 
     ``img``: (H, W), or (1, H, W) / (1, 1, H, W) with the leading singleton dims dropped, so a
     1xN or 1x1 image keeps its orientation (a bare ``squeeze`` would not).
@@ -90,8 +91,11 @@ def save_image(img: np.ndarray | Tensor, path: str | Path) -> None:
     blocker = next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise ImageDataError(f"cannot save {path}: {blocker} is a file, not a folder")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray((arr * 255.0 + 0.5).astype(np.uint8), mode="L").save(path)
+    fmt = Image.registered_extensions().get(Path(path).suffix.lower())
+    if fmt is None:
+        raise ImageDataError(f"cannot save {path}: {Path(path).suffix or 'no suffix'} is not an image format; use .png")
+    image = Image.fromarray((arr * 255.0 + 0.5).astype(np.uint8), mode="L")
+    atomic_write(path, lambda f: image.save(f, format=fmt), public=True)  # a kill leaves the old file or none, never half
 
 
 # ----------------------------------------------------------------------------- synthetic default
