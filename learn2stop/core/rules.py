@@ -16,6 +16,7 @@ sample (``view.index``) and reset when a new rollout starts (t = 1).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
 import torch
@@ -23,15 +24,25 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .loop import StepView, _policy_logits, first_ask, member, planned_log_q, planned_logits, replan_log_q, replan_scores_late
+from ..runtime.registry import attach, get_rule, list_rules
 from .trees import tree_leaves
+
+
+def register_signal(cls: type) -> type:
+    """Attach a torch signal class to its rule's registry entry (``cls.name``); its ``param_name`` and
+    ``needs_policy`` are the entry's."""
+    entry = attach(cls.name, signal=cls)
+    cls.param_name, cls.needs_policy = entry.param_name, entry.needs_policy
+    return cls
 
 
 class StopSignal:
     """Base: ``signal(view) -> (B_active,)`` scores; higher means readier to stop.
 
-    ``name`` identifies the rule family; ``param_name`` and :meth:`to_param` / :meth:`from_param`
-    translate between the score threshold and the parameter users set (e.g. a tolerance is the
-    negated score threshold).
+    ``name`` is the rule's entry in the rule registry (:mod:`learn2stop.runtime.registry`), which declares
+    its ``param_name`` and ``needs_policy`` (copied here by :func:`register_signal`); :meth:`to_param` /
+    :meth:`from_param` translate between the score threshold and the parameter users set (e.g. a tolerance is
+    the negated score threshold).
     """
 
     name = "signal"
@@ -86,8 +97,6 @@ class _Stateful(StopSignal):
 class _PolicyBased(StopSignal):
     """A signal read off a learned policy: asked from its ``min_step``, or once at its ``plan_step``."""
 
-    needs_policy = True
-
     def __init__(self, policy: nn.Module):
         self.policy = policy
         self.plan_step = member(policy, "plan_step")
@@ -111,10 +120,11 @@ class _PolicyBased(StopSignal):
         raise NotImplementedError
 
 
+@register_signal
 class PolicySignal(_PolicyBased):
     """pi_t = sigmoid(policy logit): the paper's stopping policy (Eq. 2)."""
 
-    name, param_name = "threshold", "threshold"
+    name = "threshold"
 
     @staticmethod
     def scores(stop_logits: Tensor) -> Tensor:
@@ -124,6 +134,7 @@ class PolicySignal(_PolicyBased):
         return torch.sigmoid(_policy_logits(self.policy, view.inputs, view.output, view.t, view.index.numel()))
 
 
+@register_signal
 class QuantileSignal(_PolicyBased, _Stateful):
     """The probability that q_phi has stopped by step t, 1 - prod_{s<=t} (1 - pi_s), as a score.
 
@@ -132,7 +143,7 @@ class QuantileSignal(_PolicyBased, _Stateful):
     to 1.0 once q_phi is sharp and would merge distinct thresholds); the parameter is alpha itself.
     """
 
-    name, param_name = "quantile", "alpha"
+    name = "quantile"
 
     @staticmethod
     def scores(stop_logits: Tensor) -> Tensor:
@@ -165,6 +176,7 @@ class _LowerStops:
         return -param
 
 
+@register_signal
 class PriceSignal(_LowerStops, _PolicyBased):
     """One planned q_phi for every budget: stop at argmax_t log q_phi(t) - price * c_t (a planning policy only).
 
@@ -176,7 +188,7 @@ class PriceSignal(_LowerStops, _PolicyBased):
     The parameter is the price per full depth (c_t = t / T) in log-probability units.
     """
 
-    name, param_name = "price", "price"
+    name = "price"
 
     @staticmethod
     def scores(stop_logits: Tensor) -> Tensor:
@@ -256,6 +268,7 @@ def _leaf(output: Any, key: str | Callable | None) -> Tensor:
     return output if isinstance(output, Tensor) else leaves[0]
 
 
+@register_signal
 class ToleranceSignal(_LowerStops, _Keyed):
     """The classical convergence test: minus the relative change ||o_t - o_{t-1}|| / ||o_t||.
 
@@ -264,7 +277,7 @@ class ToleranceSignal(_LowerStops, _Keyed):
     asked from step 2. The parameter is the tolerance.
     """
 
-    name, param_name = "tolerance", "tol"
+    name = "tolerance"
     first_step = 2
 
     def __call__(self, view: StepView) -> Tensor:
@@ -276,29 +289,32 @@ class ToleranceSignal(_LowerStops, _Keyed):
         return -(flat - before).norm(dim=1) / flat.norm(dim=1).clamp_min(1e-12)
 
 
+@register_signal
 class ConfidenceSignal(_Keyed):
     """Max softmax probability of a classifier's logits (SDN's exit rule)."""
 
-    name, param_name = "confidence", "q"
+    name = "confidence"
 
     def __call__(self, view: StepView) -> Tensor:
         return torch.softmax(_leaf(view.output, self.key).float(), dim=-1).amax(dim=-1)
 
 
+@register_signal
 class EntropySignal(_LowerStops, _Keyed):
     """Minus the entropy of the softmax (BranchyNet's rule); the parameter is the entropy bound."""
 
-    name, param_name = "entropy", "max_entropy"
+    name = "entropy"
 
     def __call__(self, view: StepView) -> Tensor:
         logp = torch.log_softmax(_leaf(view.output, self.key).float(), dim=-1)
         return (logp.exp() * logp).sum(dim=-1)
 
 
+@register_signal
 class PatienceSignal(_Stateful, _Keyed):
     """How many exits in a row the predicted class has stayed the same (PABEE); parameter: patience k."""
 
-    name, param_name = "patience", "k"
+    name = "patience"
 
     def __call__(self, view: StepView) -> Tensor:
         pred = _leaf(view.output, self.key).argmax(dim=-1)
@@ -310,6 +326,7 @@ class PatienceSignal(_Stateful, _Keyed):
         return run
 
 
+@register_signal
 class DepthSignal(_Keyed):
     """A fixed depth as a signal: the score at step t is t, so threshold d stops every sample at step d.
 
@@ -319,7 +336,7 @@ class DepthSignal(_Keyed):
     out at that depth alone. The parameter is the depth; it reads no output (``key`` is ignored).
     """
 
-    name, param_name = "fixed", "depth"
+    name = "fixed"
 
     @staticmethod
     def depth(threshold: float) -> int | None:
@@ -335,10 +352,24 @@ class DepthSignal(_Keyed):
         return FixedDepth(self.depth(float(threshold)))
 
 
-SIGNALS: dict[str, type] = {c.name: c for c in (PolicySignal, QuantileSignal, PriceSignal, ToleranceSignal,
-                                                ConfidenceSignal, EntropySignal, PatienceSignal, DepthSignal)}
-#: policy rules that need a planning policy (the whole q_phi at once).
-PLANNING_RULES = ("price",)
+class _Signals(Mapping):
+    """Rule name -> its torch signal class, for every registered rule with one: a view of the rule registry
+    (:mod:`learn2stop.runtime.registry`), not a second table."""
+
+    def __getitem__(self, name: str) -> type:
+        signal = get_rule(name).signal if isinstance(name, str) else None
+        if signal is None:
+            raise KeyError(name)
+        return signal
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([n for n in list_rules() if get_rule(n).signal is not None])
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+
+SIGNALS: Mapping[str, type] = _Signals()
 
 
 def make_signal(name: str, policy: nn.Module | None = None, key: str | Callable | None = None) -> StopSignal:
