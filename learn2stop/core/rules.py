@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .loop import StepView, _policy_logits, first_ask, member, planned_log_q, planned_logits, replan_log_q, replan_scores_late
+from .loop import (StepView, StopRule, _policy_logits, as_stop_rule, member, planned_log_q, planned_logits, replan_log_q,
+                   replan_scores_late)
 from ..runtime.registry import attach, get_rule, list_rules
 from .trees import tree_leaves
 
@@ -69,6 +70,15 @@ class StopSignal:
     def __call__(self, view: StepView) -> Tensor:
         raise NotImplementedError
 
+    def plan_times(self, view: StepView, threshold: float) -> Tensor | None:
+        """A planning signal's stop times at ``threshold`` computed directly, where it has a faster way than the
+        first crossing of :meth:`plan_scores`; None: it has none."""
+        return None
+
+    def replan_times(self, view: StepView, threshold: float) -> Tensor:
+        """The stop times of the samples still running at a second plan (``replan_step``): a rule that reads one."""
+        raise ValueError(f"the {self.name!r} rule reads one plan; a second plan is read by the price rule")
+
     def rule(self, threshold: float) -> Any:
         """The online rule of this signal at a score threshold (:class:`SignalRule`; a signal with a cheaper
         equivalent rule returns that)."""
@@ -80,8 +90,10 @@ class _Stateful(StopSignal):
     in a stream). The rows asked at the signal's first step start afresh; the others keep their memory, so
     samples at different steps may share the signal (the streaming runner's per-step batches)."""
 
+    _memory: Tensor | None = None  # (rows, ...) per-sample memory, grown as rows with higher indices come
+
     def _state(self, view: StepView, init: Callable[[int], Tensor]) -> Tensor:
-        mem = getattr(self, "_memory", None)
+        mem = self._memory
         if mem is not None and view.t > self.first_step:
             return mem
         need = int(view.index.max()) + 1 if view.index.numel() else 0  # once per rollout: the rows start here
@@ -102,7 +114,7 @@ class _PolicyBased(StopSignal):
         self.plan_step = member(policy, "plan_step")
         self.first_step = self.plan_step if self.plan_step is not None else int(member(policy, "min_step"))
         self.replan_step = member(policy, "replan_step") if self.plan_step is not None else None
-        if self.replan_step is not None and not callable(getattr(self, "replan_times", None)):
+        if self.replan_step is not None and not get_rule(self.name).plans:  # a planning rule reads both plans
             raise ValueError(f"the {self.name!r} rule reads one plan, and this policy plans again at step "
                              f"{self.replan_step} (replan_step): use the price rule")
 
@@ -385,7 +397,7 @@ def make_signal(name: str, policy: nn.Module | None = None, key: str | Callable 
     return cls(key)
 
 
-class SignalRule:
+class SignalRule(StopRule):
     """Stop a sample at the first step whose signal reaches ``threshold`` (in score units).
 
     A threshold of +inf (the calibrators' "never stop early") is never asked: full depth, as :class:`FixedDepth`,
@@ -409,10 +421,8 @@ class SignalRule:
     def plan(self, view: StepView) -> Tensor:
         """Stop times of a planning signal: the first crossing of its planned scores (or the signal's own
         direct form of it, ``plan_times``)."""
-        direct = getattr(self.signal, "plan_times", None)
-        if direct is not None:
-            return direct(view, self.threshold)
-        return first_crossing(self.signal.plan_scores(view), self.threshold)
+        times = self.signal.plan_times(view, self.threshold)
+        return times if times is not None else first_crossing(self.signal.plan_scores(view), self.threshold)
 
     def replan(self, view: StepView) -> Tensor:
         """Stop times of the samples still running at the signal's ``replan_step``, from its second plan."""
@@ -435,7 +445,7 @@ class SignalRule:
 
 
 # ----------------------------------------------------------------------------- the basic rules
-class FixedDepth:
+class FixedDepth(StopRule):
     """Stop every sample at step ``depth`` (default: T, i.e. never early). Asked once, at that step."""
 
     reads_previous = False  # (the loop reads the model out at the depth alone)
@@ -457,10 +467,11 @@ def reads_at_stop_alone(rule: Any, num_steps: int) -> bool:
     ``exit_costs`` (which count every exit up to t)."""
     if isinstance(rule, FixedDepth):
         return True
-    return member(rule, "plan_step") is None and first_ask(rule) >= num_steps
+    rule = as_stop_rule(rule)
+    return rule.plan_step is None and rule.first_ask >= num_steps
 
 
-class StopAtTimes:
+class StopAtTimes(StopRule):
     """Stop each sample at a given 1-based step (e.g. sampled from the oracle): a plan made before step 1.
 
     Args:
