@@ -41,7 +41,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .core.calibration import Calibration, InferenceConfig
-from .core.loop import NEVER_STOP_LOGIT, check_stepwise, member
+from .core.loop import NEVER_STOP_LOGIT, check_stepwise
+from .core.protocols import member
 from .core.trees import check_inputs
 from .core.rules import SIGNALS, DepthSignal
 from .runtime.manifest import sha256_file

@@ -28,7 +28,8 @@ from torch import Tensor
 
 from ..runtime.registry import get_rule, list_rules
 from ..utils.config import ConfigError, one_of, require
-from .loop import Rollout, member
+from .loop import Rollout
+from .protocols import member
 from .rules import SIGNALS, PolicyRule, first_crossing, make_signal, sampled_stop_times
 
 CALIBRATION_FILE = "calibration.json"

@@ -14,71 +14,30 @@ anything: wrap the model with :class:`StoppingModel` and a policy.
 A *policy* is a module ``policy(inputs, output, t) -> (B,) stop logits`` (pi_t = sigmoid(logit),
 paper Eq. 2). A policy may set ``min_step``: before that step it is not called at all (pi_t = 0),
 which saves its cost where it would never stop. A *planning* policy sets ``plan_step`` instead: it is
-called once, at that step, and returns the (B, T-1) stop logits of every step (its whole q_phi), so the
-loop can sort the batch by planned depth once and run shrinking contiguous slices
-without deciding again. A planning policy may also set ``replan_step``: the samples still running there
-are planned once more, from what the run has shown by then, and sorted again. A *stop rule* fills the stopping slot of :func:`run_with_early_exit`: a fixed depth,
-a tolerance on the change of the output, or the learned policy (thresholded or sampled) all fit; they live
-in :mod:`learn2stop.core.rules`, the batch-tree helpers in :mod:`learn2stop.core.trees`, and
-:class:`~learn2stop.core.model.StoppingModel`, which users hold, on top of all three.
+called once, at that step, and returns the (B, T-1) stop logits of every step (its whole q_phi); it may also
+set ``replan_step``, where the samples still running are planned once more. The optional members of a model
+and a policy, and their defaults, are declared in :mod:`learn2stop.core.protocols`.
+
+A *stop rule* (:class:`StopRule`) fills the stopping slot of :func:`run_with_early_exit`: a fixed depth, a
+tolerance on the change of the output, or the learned policy (thresholded or sampled) all fit. The loop asks
+the rule at its steps and shrinks the batch by the answer, which rows stop now or a :class:`Plan` (rows sorted by
+planned depth, run in shrinking contiguous slices without deciding again); the rule owns its planning and
+replanning. The rules live in :mod:`learn2stop.core.rules`, the batch-tree helpers in
+:mod:`learn2stop.core.trees`, and :class:`~learn2stop.core.model.StoppingModel`, which users hold, on top.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Protocol, runtime_checkable
+from typing import Any, Callable, Collection
 
 import torch
 from torch import Tensor, nn
 
+from .protocols import member
 from .trees import batch_size, take_rows, tree_detach, tree_leaves, tree_map, tree_select, tree_zip_apply, tree_zip_map
 
 
 # ----------------------------------------------------------------------------- protocols
-#: The optional members of a step-wise model, a policy and a stop rule, and what their absence means:
-#:
-#: - ``exit_costs`` (model): cumulative cost of stopping at t = 1..T (FLOPs, MACs); absent: t;
-#: - ``fixed_exit_costs`` (model): the cost of stopping at t when the model is read out at t alone (a fixed depth:
-#:   no earlier exit head evaluated), in the units of ``exit_costs``; absent: ``exit_costs``;
-#: - ``min_step`` (policy): the first step it is asked at (pi_t = 0 before); absent: 1;
-#: - ``plan_step`` (policy or rule): it plans every step's stop at once, at this step; absent: per step;
-#: - ``plan_log_q`` (planning policy): ``plan_log_q(inputs, output, t) -> (B, T)`` log q_phi, what its stop
-#:   logits are made from, read directly by rules that want the plan (the price rule); absent: from the logits;
-#: - ``replan_step`` (planning policy or rule): it revises the plan of the samples still running, once, at
-#:   this later step; absent: one plan. A policy that sets it has ``replan_log_q(inputs, output, previous_output,
-#:   t) -> (B, T)`` log q_phi of steps t..T given the run so far (its q_phi is then
-#:   :func:`~learn2stop.core.distributions.replanned_log_q` of the two plans), a rule ``replan(view) -> (B,)``;
-#: - ``priced_plan`` / ``priced_replan`` (planning policy): ``priced_plan(inputs, output, t, threshold)`` and
-#:   ``priced_replan(inputs, output, previous_output, t, threshold) -> (B,)`` the price rule's stop steps,
-#:   argmax_{u >= t} log q_phi(u) + threshold * u / T, computed by the policy where it has a faster way (a
-#:   small batch on a CPU), or None; absent or None: the rule takes the argmax of ``plan_log_q`` itself;
-#: - ``first_step`` (rule): the first step the loop asks it at (2 for a tolerance test); absent: 1;
-#: - ``reads_previous`` (per-step rule): whether it reads ``previous_output`` at its first step, so that the
-#:   loop reads the model out the step before; absent: True (a fixed depth: False).
-OPTIONAL_MEMBERS: dict[str, Any] = {"exit_costs": None, "fixed_exit_costs": None, "min_step": 1, "plan_step": None, "plan_log_q": None,
-                                    "replan_step": None, "priced_plan": None, "priced_replan": None, "first_step": 1,
-                                    "reads_previous": True}
-
-
-def member(obj: Any, name: str) -> Any:
-    """The optional member ``name`` of a model, policy or rule (:data:`OPTIONAL_MEMBERS`), or what its absence
-    means; the loop, the rules, calibration, export and the backends look them up here."""
-    default = OPTIONAL_MEMBERS[name]
-    return default if obj is None else getattr(obj, name, default)
-
-
-@runtime_checkable
-class StepwiseModel(Protocol):
-    """A model the loop drives (see the module's text); its optional members are :data:`OPTIONAL_MEMBERS`."""
-
-    num_steps: int
-
-    def initial_state(self, inputs: Any) -> Any: ...
-
-    def step(self, t: int, state: Any, inputs: Any) -> Any: ...
-
-    def readout(self, t: int, state: Any, inputs: Any) -> Any: ...
-
-
 def check_stepwise(model: Any) -> None:
     """Raise a TypeError naming what ``model`` lacks to be driven by the loop."""
     missing = [n for n in ("num_steps", "initial_state", "step", "readout") if not hasattr(model, n)]
@@ -192,13 +151,15 @@ class _Declared(StopRule):
 
     def __init__(self, rule: Any):
         self.rule = rule
-        for name in ("first_step", "plan_step", "replan_step", "reads_previous"):
-            setattr(self, name, getattr(rule, name, getattr(StopRule, name)))
+        for name in ("first_step", "plan_step", "replan_step", "reads_previous"):  # the defaults: StopRule's
+            setattr(self, name, getattr(rule, name, vars(StopRule)[name]))
 
     def __call__(self, view: StepView) -> Tensor:
-        stop = self.rule(view)
-        self.last_probs = getattr(self.rule, "last_probs", None)
-        return stop
+        return self.rule(view)
+
+    @property
+    def last_probs(self) -> Tensor | None:
+        return getattr(self.rule, "last_probs", None)
 
     def plan(self, view: StepView) -> Tensor:
         return self.rule.plan(view)
@@ -224,15 +185,6 @@ def check_rule(rule: Any) -> None:
     """Refuse what cannot fill the stop-rule slot (a rule's name, None), saying what can."""
     as_stop_rule(rule)
 
-
-def read_steps(rule: Any, num_steps: int) -> Collection[int]:
-    """:meth:`StopRule.read_steps` of any rule."""
-    return as_stop_rule(rule).read_steps(num_steps)
-
-
-def first_ask(rule: Any) -> int:
-    """:attr:`StopRule.first_ask` of any rule."""
-    return as_stop_rule(rule).first_ask
 
 
 # ----------------------------------------------------------------------------- the result

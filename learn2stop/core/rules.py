@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .loop import (StepView, StopRule, _policy_logits, as_stop_rule, member, planned_log_q, planned_logits, replan_log_q,
+from .loop import (StepView, StopRule, _policy_logits, as_stop_rule, planned_log_q, planned_logits, replan_log_q,
                    replan_scores_late)
+from .protocols import member
 from ..runtime.registry import attach, get_rule, list_rules
 from .trees import tree_leaves
 
