@@ -408,9 +408,8 @@ def export_command(app: Any, cfg: Any, run: Any, *, out: str | None, task: str =
     from .core.calibration import load_calibration
     from .core.pipeline import _require_trained, load_stage, served_baseline
 
-    why = getattr(app, "export_unsupported", "")
-    if why:
-        raise ConfigError(f"export: {why}")
+    if app.export_unsupported:
+        raise ConfigError(f"export: {app.export_unsupported}")
     check_out_dir(out)
     _require_trained(run.run_dir, app.stop_stage, "export")
     sm = load_stage(app, cfg, run.run_dir, app.stop_stage, "cpu")
@@ -419,7 +418,7 @@ def export_command(app: Any, cfg: Any, run: Any, *, out: str | None, task: str =
     rule = cal if cal is not None else inference
     inputs = app.eval_batches(cfg, "test", "cpu")[0][0]
     example = torch.utils._pytree.tree_map(lambda x: x[:2] if isinstance(x, Tensor) else x, inputs)
-    path = export_stop_model(sm, rule, example, out, task=task, dynamic_dims=getattr(app, "export_dynamic_dims", None),
+    path = export_stop_model(sm, rule, example, out, task=task, dynamic_dims=app.export_dynamic_dims,
                              extra={"run_dir": str(Path(run.run_dir).resolve()), "stage": app.stop_stage})
     manifest = json.loads((path / MANIFEST).read_text())
     r = manifest["rule"]

@@ -100,6 +100,10 @@ class StoppingApp:
     #: ``reproduce`` also calibrates every other rule to the deployed target and times each beside the baseline
     #: (:func:`deployment_in_time`).
     deploy_in_time: bool = True
+    #: why the task's stop model cannot be exported to ONNX, or "" (``export`` refuses with this reason)
+    export_unsupported: str = ""
+    #: input dims (beyond the batch) an export keeps dynamic: {input name: [dims]} (images of any size), or None
+    export_dynamic_dims: dict | None = None
 
     #: most entries of :meth:`cached`.
     cache_size = 8
