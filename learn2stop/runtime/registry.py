@@ -81,9 +81,9 @@ def list_rules(*, offered_by: str | None = None, plans: bool | None = None, runt
 def attach(name: str, *, signal: Any = None, numpy_rule: Any = None) -> RuleEntry:
     """Attach an implementation to rule ``name``'s entry: its torch signal class or its numpy rule class."""
     entry = get_rule(name)
-    for field, impl in (("signal", signal), ("numpy_rule", numpy_rule)):
+    for field, impl, had in (("signal", signal, entry.signal), ("numpy_rule", numpy_rule, entry.numpy_rule)):
         if impl is not None:
-            if getattr(entry, field) is not None and getattr(entry, field) is not impl:
+            if had is not None and had is not impl:
                 raise KeyError(f"stop rule {name!r} already has a {field}")
             setattr(entry, field, impl)
     return entry
