@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from .core.timing import BackendError
-from .core.loop import Rollout, member, run_with_early_exit
+from .core.loop import Rollout, run_with_early_exit
+from .core.protocols import member
 from .core.model import StoppingModel
 from .core.rules import FixedDepth, PolicyRule, SignalRule
 from .core.streaming import StreamingRunner

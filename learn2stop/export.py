@@ -43,10 +43,12 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .core.calibration import Calibration, InferenceConfig
-from .core.loop import NEVER_STOP_LOGIT, check_stepwise, member
+from .core.loop import NEVER_STOP_LOGIT, check_stepwise
+from .core.protocols import member
 from .core.trees import check_inputs
 from .core.rules import SIGNALS, DepthSignal
 from .runtime.manifest import ManifestError, read_manifest, sha256_file
+from .runtime.registry import list_rules
 from .utils.config import ConfigError
 from .utils.outputs import OutputError, check_output_folder, previous_path, replace_folder, writing
 from .utils.outputs import reason as _os_reason
@@ -54,8 +56,6 @@ from .utils.outputs import reason as _os_reason
 FORMAT = "learn2stop-onnx"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-#: the rules the runtime implements in numpy (``fixed``: a fixed depth, param = the depth).
-RUNTIME_RULES = ("fixed", "threshold", "quantile", "confidence", "entropy", "tolerance", "price")
 
 
 class ExportError(ValueError):
@@ -97,8 +97,9 @@ def rule_spec(rule: Any, source: str = "") -> dict:
     if isinstance(rule, (InferenceConfig, Calibration)) and name == "fixed":  # a depth, or full depth (+inf)
         depth = DepthSignal.depth(float(threshold))
         param, threshold = (depth, None) if depth is not None else (None, math.inf)
-    if name not in RUNTIME_RULES:
-        raise ExportError(f"rule {name!r}: the runtime implements {', '.join(RUNTIME_RULES)}; "
+    runtime_rules = list_rules(runtime=True)  # the rule registry's claim (a test runs each of them)
+    if name not in runtime_rules:
+        raise ExportError(f"rule {name!r}: the runtime implements {', '.join(runtime_rules)}; "
                           f"calibrate or set --inference.rule to one of them before exporting")
     if threshold is not None:
         threshold = float(threshold)
@@ -413,9 +414,8 @@ def export_command(app: Any, cfg: Any, run: Any, *, out: str | None, task: str =
     from .core.calibration import load_calibration
     from .core.pipeline import _require_trained, load_stage, served_baseline
 
-    why = getattr(app, "export_unsupported", "")
-    if why:
-        raise ConfigError(f"export: {why}")
+    if app.export_unsupported:
+        raise ConfigError(f"export: {app.export_unsupported}")
     check_out_dir(out, "--out", run.run_dir)
     replacing = Path(out).is_dir() and any(Path(out).iterdir())
     _require_trained(run.run_dir, app.stop_stage, "export")
@@ -425,7 +425,7 @@ def export_command(app: Any, cfg: Any, run: Any, *, out: str | None, task: str =
     rule = cal if cal is not None else inference
     inputs = app.eval_batches(cfg, "test", "cpu")[0][0]
     example = torch.utils._pytree.tree_map(lambda x: x[:2] if isinstance(x, Tensor) else x, inputs)
-    path = export_stop_model(sm, rule, example, out, task=task, dynamic_dims=getattr(app, "export_dynamic_dims", None),
+    path = export_stop_model(sm, rule, example, out, task=task, dynamic_dims=app.export_dynamic_dims,
                              extra={"run_dir": str(Path(run.run_dir).resolve()), "stage": app.stop_stage})
     manifest = json.loads((path / MANIFEST).read_text())
     r = manifest["rule"]

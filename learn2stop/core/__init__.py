@@ -10,7 +10,8 @@ from .distributions import (
     stop_time_distribution,
     survival_log_probability,
 )
-from .loop import Rollout, StepView, StepwiseModel, run_with_early_exit, unroll
+from .loop import Rollout, StepView, run_with_early_exit, unroll
+from .protocols import StepwiseModel
 from .rules import FixedDepth, PolicyRule, StopAtTimes, ToleranceRule, threshold_stop_times
 from .model import StoppingModel
 from .calibration import (Calibration, InferenceConfig, calibrate_budget, calibrate_risk, load_calibration,

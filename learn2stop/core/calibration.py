@@ -26,21 +26,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..runtime.registry import get_rule, list_rules
 from ..utils.config import ConfigError, one_of, require
-from .loop import Rollout, member
-from .rules import PLANNING_RULES, SIGNALS, PolicyRule, first_crossing, make_signal, sampled_stop_times
+from .loop import Rollout
+from .protocols import member
+from .rules import SIGNALS, PolicyRule, first_crossing, make_signal, sampled_stop_times
 
-POLICY_RULES = ("threshold", "quantile", "price")  # "price" needs a planning policy
 CALIBRATION_FILE = "calibration.json"
 
 
 def policy_rules(policy) -> tuple[str, ...]:
-    """The policy rules a policy supports: all of them for a planning policy, all but the price rule for a
-    per-step one, and the price rule alone for one that plans twice (``replan_step``)."""
+    """The policy rules (the registry's ``offered_by="policy"``) a policy supports: all of them for a planning
+    policy, those that do not plan for a per-step one, and the planning ones alone for one that plans twice
+    (``replan_step``)."""
     plans = member(policy, "plan_step") is not None
     if plans and member(policy, "replan_step") is not None:
-        return PLANNING_RULES
-    return tuple(r for r in POLICY_RULES if plans or r not in PLANNING_RULES)
+        return tuple(list_rules(offered_by="policy", plans=True))
+    return tuple(list_rules(offered_by="policy") if plans else list_rules(offered_by="policy", plans=False))
 
 
 @dataclass
@@ -76,7 +78,7 @@ class InferenceConfig:
 
     @property
     def uses_policy(self) -> bool:
-        return self.sampled or self.rule in POLICY_RULES
+        return self.sampled or get_rule(self.rule).needs_policy
 
     def signal(self, policy=None, key=None):
         return make_signal(self.rule, policy, key)
@@ -96,7 +98,7 @@ class InferenceConfig:
             raise ValueError(f"stop times of the {self.rule!r} rule need the outputs; use signal_trace")
         if rollout.stop_logits is None:
             raise ValueError("this rule needs a policy's stop logits; the rollout has none")
-        if rollout.replan_log_q is not None and (self.sampled or self.rule not in PLANNING_RULES):
+        if rollout.replan_log_q is not None and (self.sampled or not get_rule(self.rule).plans):
             raise ValueError(f"the rollout's policy plans twice; its second plan is read by the price rule, not "
                              f"{'sampled inference' if self.sampled else f'the {self.rule} rule'}")
         if self.sampled:
@@ -107,30 +109,18 @@ class InferenceConfig:
         return first_crossing(scores, SIGNALS[self.rule].from_param(self.param))
 
 
-#: each rule's parameter: (test, what it must be); a calibration may also hold inf (never stop early)
-PARAM_RANGES = {
-    "quantile": (lambda p: 0 < p <= 1, "in (0, 1] (alpha: the stop-time quantile)"),
-    "threshold": (lambda p: 0 < p <= 1, "in (0, 1] (a stop probability)"),
-    "tolerance": (lambda p: p > 0, "> 0 (the change between steps below which to stop)"),
-    "confidence": (lambda p: 0 < p <= 1, "in (0, 1] (a softmax probability)"),
-    "entropy": (lambda p: p > 0, "> 0 (an entropy in nats)"),
-    "patience": (lambda p: float(p).is_integer() and p >= 0, "an integer >= 0 (exits in a row; 0 stops at the first exit)"),
-    "price": (lambda p: True, "a finite number (the price of full depth in log-probability units; 0 = the plan's MAP)"),
-    "fixed": (lambda p: float(p).is_integer() and p >= 1, "an integer >= 1 (the depth)"),
-}
-
-
 def check_param(rule: str, param: float, field: str) -> None:
-    """Refuse a parameter outside the rule's range, naming ``field``."""
-    ok, what = PARAM_RANGES.get(rule, (lambda p: True, ""))
-    require(ok(param), field, f"the {rule} rule's parameter must be {what}; got {param!r}")
+    """Refuse a finite parameter outside the rule's range (its registry entry's ``in_range``), naming ``field``; a
+    calibration may also hold inf (never stop early)."""
+    entry = get_rule(rule)
+    require(entry.in_range(param), field, f"the {rule} rule's parameter must be {entry.param_range}; got {param!r}")
 
 
 def policy_scores(stop_logits: Tensor, rule: str) -> Tensor:
     """The (B, T-1) scores of a policy rule from stop logits, as its signal computes them online:
     pi_t, for the quantile rule -log prod_{s<=t} (1 - pi_s) (see :class:`QuantileSignal`), for the price
     rule minus the least price that stops by t (:class:`PriceSignal`)."""
-    if rule not in POLICY_RULES:
+    if rule not in SIGNALS or not get_rule(rule).needs_policy:
         raise ValueError(f"not a policy rule: {rule!r}")
     return SIGNALS[rule].scores(stop_logits)
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .protocols import member
+
 
 def _check_steps(name: str, x: Tensor, min_steps: int = 1) -> None:
     if x.dim() != 2:
@@ -239,7 +241,7 @@ def exit_costs(model, device=None) -> Tensor:
     Normalising by c_T makes a price on computation read as "loss one would give for the whole model".
     """
     T = model.num_steps
-    raw = getattr(model, "exit_costs", None)  # loop.member's default; distributions sits below the loop
+    raw = member(model, "exit_costs")
     if raw is None:
         costs = torch.arange(1, T + 1, dtype=torch.float32)
     else:
@@ -256,10 +258,10 @@ def fixed_depth_costs(model, device=None) -> Tensor:
     asked early); shape (T,), on the scale of :func:`exit_costs` (divided by the raw ``exit_costs[-1]``, so the
     network alone at T is below 1 when the full ``exit_costs`` count every exit head). A model without
     ``fixed_exit_costs`` gives :func:`exit_costs`."""
-    raw = getattr(model, "fixed_exit_costs", None)
+    raw = member(model, "fixed_exit_costs")
     if raw is None:
         return exit_costs(model, device)
-    if getattr(model, "exit_costs", None) is None:
+    if member(model, "exit_costs") is None:
         raise ValueError(f"{type(model).__name__} declares fixed_exit_costs without exit_costs, their scale")
     costs = torch.as_tensor(raw, dtype=torch.float32).flatten().cpu()
     if costs.numel() != model.num_steps:

@@ -14,100 +14,30 @@ anything: wrap the model with :class:`StoppingModel` and a policy.
 A *policy* is a module ``policy(inputs, output, t) -> (B,) stop logits`` (pi_t = sigmoid(logit),
 paper Eq. 2). A policy may set ``min_step``: before that step it is not called at all (pi_t = 0),
 which saves its cost where it would never stop. A *planning* policy sets ``plan_step`` instead: it is
-called once, at that step, and returns the (B, T-1) stop logits of every step (its whole q_phi), so the
-loop can sort the batch by planned depth once and run shrinking contiguous slices
-without deciding again. A planning policy may also set ``replan_step``: the samples still running there
-are planned once more, from what the run has shown by then, and sorted again. A *stop rule* fills the stopping slot of :func:`run_with_early_exit`: a fixed depth,
-a tolerance on the change of the output, or the learned policy (thresholded or sampled) all fit; they live
-in :mod:`learn2stop.core.rules`, the batch-tree helpers in :mod:`learn2stop.core.trees`, and
-:class:`~learn2stop.core.model.StoppingModel`, which users hold, on top of all three.
+called once, at that step, and returns the (B, T-1) stop logits of every step (its whole q_phi); it may also
+set ``replan_step``, where the samples still running are planned once more. The optional members of a model
+and a policy, and their defaults, are declared in :mod:`learn2stop.core.protocols`.
+
+A *stop rule* (:class:`StopRule`) fills the stopping slot of :func:`run_with_early_exit`: a fixed depth, a
+tolerance on the change of the output, or the learned policy (thresholded or sampled) all fit. The loop asks
+the rule at its steps and shrinks the batch by the answer, which rows stop now or a :class:`Plan` (rows sorted by
+planned depth, run in shrinking contiguous slices without deciding again); the rule owns its planning and
+replanning. The rules live in :mod:`learn2stop.core.rules`, the batch-tree helpers in
+:mod:`learn2stop.core.trees`, and :class:`~learn2stop.core.model.StoppingModel`, which users hold, on top.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Protocol, runtime_checkable
+from typing import Any, Callable, Collection
 
 import torch
 from torch import Tensor, nn
 
+from .protocols import member
 from .trees import batch_size, take_rows, tree_detach, tree_leaves, tree_map, tree_select, tree_zip_apply, tree_zip_map
 
 
-def check_rule(rule: Any) -> None:
-    """Refuse what cannot fill the stop-rule slot (a rule's name, None), saying what can."""
-    if not (callable(rule) or callable(getattr(rule, "plan", None))):
-        hint = (" (build it: InferenceConfig(rule=...).make_rule(policy), or a calibration's make_rule)"
-                if isinstance(rule, str) else "")
-        raise TypeError(f"rule must be a stop rule (a callable on a StepView, or a planning rule with plan()); "
-                        f"got {type(rule).__name__} {rule!r}{hint}")
-
-
-def read_steps(rule: Any, num_steps: int) -> Collection[int]:
-    """The steps at which the loop (and the stream) read the model out for ``rule``, besides those where planned
-    rows stop: a per-step rule from the step before its first ask (its ``previous_output``; from the ask itself for a
-    rule that does not read it) to T; a planning rule at its plan, at its second plan and the step before, and T."""
-    T = num_steps
-    plan_step = member(rule, "plan_step")
-    if plan_step is None:
-        first = first_ask(rule)
-        return range(min(first - 1 if member(rule, "reads_previous") else first, T), T + 1)
-    replan_step = member(rule, "replan_step")
-    return {plan_step, T} if replan_step is None else {plan_step, replan_step - 1, replan_step, T}
-
-
-def first_ask(rule: Any) -> int:
-    """The first step at which the loop consults a rule: its planning step, or its ``first_step``
-    (a learned policy's ``min_step``, 2 for a tolerance test), else 1."""
-    plan = member(rule, "plan_step")
-    return int(plan) if plan is not None else int(member(rule, "first_step"))
-
-
 # ----------------------------------------------------------------------------- protocols
-#: The optional members of a step-wise model, a policy and a stop rule, and what their absence means:
-#:
-#: - ``exit_costs`` (model): cumulative cost of stopping at t = 1..T (FLOPs, MACs); absent: t;
-#: - ``fixed_exit_costs`` (model): the cost of stopping at t when the model is read out at t alone (a fixed depth:
-#:   no earlier exit head evaluated), in the units of ``exit_costs``; absent: ``exit_costs``;
-#: - ``min_step`` (policy): the first step it is asked at (pi_t = 0 before); absent: 1;
-#: - ``plan_step`` (policy or rule): it plans every step's stop at once, at this step; absent: per step;
-#: - ``plan_log_q`` (planning policy): ``plan_log_q(inputs, output, t) -> (B, T)`` log q_phi, what its stop
-#:   logits are made from, read directly by rules that want the plan (the price rule); absent: from the logits;
-#: - ``replan_step`` (planning policy or rule): it revises the plan of the samples still running, once, at
-#:   this later step; absent: one plan. A policy that sets it has ``replan_log_q(inputs, output, previous_output,
-#:   t) -> (B, T)`` log q_phi of steps t..T given the run so far (its q_phi is then
-#:   :func:`~learn2stop.core.distributions.replanned_log_q` of the two plans), a rule ``replan(view) -> (B,)``;
-#: - ``priced_plan`` / ``priced_replan`` (planning policy): ``priced_plan(inputs, output, t, threshold)`` and
-#:   ``priced_replan(inputs, output, previous_output, t, threshold) -> (B,)`` the price rule's stop steps,
-#:   argmax_{u >= t} log q_phi(u) + threshold * u / T, computed by the policy where it has a faster way (a
-#:   small batch on a CPU), or None; absent or None: the rule takes the argmax of ``plan_log_q`` itself;
-#: - ``first_step`` (rule): the first step the loop asks it at (2 for a tolerance test); absent: 1;
-#: - ``reads_previous`` (per-step rule): whether it reads ``previous_output`` at its first step, so that the
-#:   loop reads the model out the step before; absent: True (a fixed depth: False).
-OPTIONAL_MEMBERS: dict[str, Any] = {"exit_costs": None, "fixed_exit_costs": None, "min_step": 1, "plan_step": None, "plan_log_q": None,
-                                    "replan_step": None, "priced_plan": None, "priced_replan": None, "first_step": 1,
-                                    "reads_previous": True}
-
-
-def member(obj: Any, name: str) -> Any:
-    """The optional member ``name`` of a model, policy or rule (:data:`OPTIONAL_MEMBERS`), or what its absence
-    means; the loop, the rules, calibration, export and the backends look them up here."""
-    default = OPTIONAL_MEMBERS[name]
-    return default if obj is None else getattr(obj, name, default)
-
-
-@runtime_checkable
-class StepwiseModel(Protocol):
-    """A model the loop drives (see the module's text); its optional members are :data:`OPTIONAL_MEMBERS`."""
-
-    num_steps: int
-
-    def initial_state(self, inputs: Any) -> Any: ...
-
-    def step(self, t: int, state: Any, inputs: Any) -> Any: ...
-
-    def readout(self, t: int, state: Any, inputs: Any) -> Any: ...
-
-
 def check_stepwise(model: Any) -> None:
     """Raise a TypeError naming what ``model`` lacks to be driven by the loop."""
     missing = [n for n in ("num_steps", "initial_state", "step", "readout") if not hasattr(model, n)]
@@ -130,7 +60,131 @@ class StepView:
     index: Tensor  # (B_active,) positions of these samples in the original batch
 
 
-StopRule = Callable[[StepView], Tensor]
+@dataclass
+class Plan:
+    """A planning rule's answer at a step t: the running rows sorted by planned depth, deepest first (``order``:
+    None keeps them as they are), and ``running[s]``, how many of them are still running after step s (s >= t),
+    so the loop runs shrinking contiguous leading slices, with no decision, gather or sync at the steps between."""
+
+    order: Tensor | None
+    running: list[int]
+
+    @classmethod
+    def of(cls, times: Tensor, t: int, num_steps: int) -> "Plan":
+        """The plan of (B,) 1-based stop times made at step t (clamped to t..T; t = 0: before the first step), with
+        one host sync (the counts; at batch 1 the depth itself)."""
+        T = num_steps
+        times = times.clamp(max(t, 1), T)
+        running = [0] * (T + 1)
+        if times.numel() == 1:  # a single sample: its depth is all there is to know (nothing to sort)
+            depth = int(times)
+            running[t:depth] = [1] * (depth - t)
+            return cls(None, running)
+        times, order = torch.sort(times, descending=True, stable=True)
+        counts = torch.bincount(times, minlength=T + 1).flip(0).cumsum(0).flip(0)  # counts[s] = #(times >= s)
+        running[t:] = counts[t + 1:].tolist() + [0]
+        return cls(order, running)
+
+
+class StopRule:
+    """What fills the stop-rule slot of :func:`run_with_early_exit`: the protocol of a stop rule, with its defaults.
+
+    A per-step rule defines ``__call__(view) -> (B,) bool`` (stop now) and is asked at steps ``first_step``..T-1;
+    a planning rule sets ``plan_step`` (0: before the first step) and defines ``plan(view) -> (B,)`` stop times, and
+    may set ``replan_step`` with ``replan(view) -> (B,)`` for the rows still running there. The loop asks
+    :meth:`decide` at :meth:`ask_steps` and shrinks the batch by its answer: it knows nothing of plans. Any
+    callable on a :class:`StepView` is a per-step rule too (:func:`as_stop_rule` declares it one).
+    """
+
+    first_step: int = 1
+    plan_step: int | None = None
+    replan_step: int | None = None
+    #: a per-step rule reads ``previous_output`` at its first step (the loop reads the model out the step before)
+    reads_previous: bool = True
+    #: the (B_active,) stop probabilities of the last ``__call__``, for a rule that has them (``record_probs``)
+    last_probs: Tensor | None = None
+
+    def __call__(self, view: StepView) -> Tensor:
+        raise NotImplementedError
+
+    def plan(self, view: StepView) -> Tensor:
+        raise TypeError(f"{type(self).__name__} has a plan_step but no plan(view)")
+
+    def replan(self, view: StepView) -> Tensor:
+        raise TypeError(f"{type(self).__name__} has a replan_step but no replan(view)")
+
+    @property
+    def first_ask(self) -> int:
+        """The first step the loop consults the rule at: its plan step, else its first step."""
+        return int(self.plan_step) if self.plan_step is not None else int(self.first_step)
+
+    def ask_steps(self, num_steps: int) -> Collection[int]:
+        """The steps at which the loop asks :meth:`decide` (never T: step T stops what is left)."""
+        if self.plan_step is None:
+            return range(self.first_ask, num_steps)
+        return {s for s in (self.plan_step, self.replan_step) if s is not None and s < num_steps}
+
+    def read_steps(self, num_steps: int) -> Collection[int]:
+        """The steps at which the loop (and the stream) read the model out, besides those where planned rows stop:
+        a per-step rule from the step before its first ask (its ``previous_output``; from the ask itself for a rule
+        that does not read it) to T; a planning rule at its plan, at its second plan and the step before, and T."""
+        T = num_steps
+        if self.plan_step is None:
+            first = self.first_ask
+            return range(min(first - 1 if self.reads_previous else first, T), T + 1)
+        return {self.plan_step, T} if self.replan_step is None else {self.plan_step, self.replan_step - 1,
+                                                                      self.replan_step, T}
+
+    def decide(self, view: StepView) -> Tensor | Plan:
+        """The rule's answer at an asked step: a :class:`Plan` at its plan (and replan) step, else the (B,) bool
+        stops of ``__call__``."""
+        if view.t == self.plan_step:
+            return Plan.of(self.plan(view), view.t, view.num_steps)
+        if view.t == self.replan_step:
+            return Plan.of(self.replan(view), view.t, view.num_steps)
+        return self(view)
+
+
+class _Declared(StopRule):
+    """A rule that does not derive from :class:`StopRule` (a function, a user's class): its optional members read
+    once, here, with the protocol's defaults."""
+
+    def __init__(self, rule: Any):
+        self.rule = rule
+        for name in ("first_step", "plan_step", "replan_step", "reads_previous"):  # the defaults: StopRule's
+            setattr(self, name, getattr(rule, name, vars(StopRule)[name]))
+
+    def __call__(self, view: StepView) -> Tensor:
+        return self.rule(view)
+
+    @property
+    def last_probs(self) -> Tensor | None:
+        return getattr(self.rule, "last_probs", None)
+
+    def plan(self, view: StepView) -> Tensor:
+        return self.rule.plan(view)
+
+    def replan(self, view: StepView) -> Tensor:
+        return self.rule.replan(view)
+
+
+def as_stop_rule(rule: Any) -> StopRule:
+    """``rule`` as a :class:`StopRule` (itself if it is one); refuses what cannot fill the slot (a rule's name,
+    None), saying what can."""
+    if isinstance(rule, StopRule):
+        return rule
+    if not (callable(rule) or callable(getattr(rule, "plan", None))):
+        hint = (" (build it: InferenceConfig(rule=...).make_rule(policy), or a calibration's make_rule)"
+                if isinstance(rule, str) else "")
+        raise TypeError(f"rule must be a stop rule (a callable on a StepView, or a planning rule with plan()); "
+                        f"got {type(rule).__name__} {rule!r}{hint}")
+    return _Declared(rule)
+
+
+def check_rule(rule: Any) -> None:
+    """Refuse what cannot fill the stop-rule slot (a rule's name, None), saying what can."""
+    as_stop_rule(rule)
+
 
 
 # ----------------------------------------------------------------------------- the result
@@ -245,20 +299,16 @@ def unroll(
     )
 
 
-def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs: bool = False,
-                        compact_every: int | None = None) -> Rollout:
+def run_with_early_exit(model: Any, inputs: Any, rule: StopRule | Callable[[StepView], Tensor], *,
+                        record_probs: bool = False, compact_every: int | None = None) -> Rollout:
     """Run the model step by step and drop each sample from the batch once ``rule`` says stop.
 
     A stopped sample costs no further steps: its output is written into the result at once and the
     state and inputs of the samples still running shrink, so later steps run on fewer rows. Step T
-    always stops what is left. The rule is consulted only where it can stop:
-
-    - a *planning* rule (``rule.plan_step = s`` and ``rule.plan(view) -> (B,)`` stop times) is asked
-      once, at step s (0: before the first step). The batch is then sorted by planned depth, once, and
-      every later step runs on a contiguous leading slice of it: no further decision, gather or host
-      synchronisation (two at the planning step: the plan's finiteness and the counts);
-    - a per-step rule (``rule(view) -> (B,) bool``) is called at the steps ``first_ask(rule)``..T-1,
-      with one host synchronisation there (how many stopped) and none elsewhere.
+    always stops what is left. The rule (a :class:`StopRule`) is asked only at its ``ask_steps`` and answers
+    either which rows stop now (a per-step rule: one host synchronisation there, how many stopped, and none
+    elsewhere), or a :class:`Plan` (a planning rule, at its plan and replan steps): the batch is sorted by planned
+    depth and every later step runs on a contiguous leading slice of it, with no decision, gather or sync.
 
     The model is read out (``readout``: an exit head, a decoder) only where something reads it: where the rule
     is asked (and the step before, for its ``previous_output``), at a plan's steps, and at the steps where planned
@@ -271,7 +321,7 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
         model: a step-wise model.
         inputs: batch-first tree.
         rule: see :mod:`learn2stop.core.rules` (fixed depth, given stop times, thresholds on a signal, a
-            learned policy, thresholded or sampled).
+            learned policy, thresholded or sampled), or any callable on a :class:`StepView`.
         record_probs: also return, in ``extras["stop_probs"]``, the (B, T-1) stop probabilities the
             rule reported (NaN where a sample had already stopped); needs a per-step rule with ``last_probs``.
         compact_every: *device mode* for a per-step rule (see :func:`_run_device_mode`): no host
@@ -279,137 +329,139 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule, *, record_probs
     Returns:
         A :class:`Rollout`; ``outputs`` is in input order.
     """
-    check_rule(rule)
-    if compact_every is not None and member(rule, "plan_step") is None:
+    rule = as_stop_rule(rule)
+    if compact_every is not None and rule.plan_step is None:
         if record_probs:
             raise ValueError("record_probs=True is not available in device mode (compact_every)")
         return _run_device_mode(model, inputs, rule, compact_every)
     check_stepwise(model)
     T = model.num_steps
-    B = batch_size(inputs)
-    plan_step = member(rule, "plan_step")
-    replan_step = member(rule, "replan_step") if plan_step is not None else None
-    check_replan_step(plan_step, replan_step, T)
-    first = first_ask(rule)
-    reads = read_steps(rule, T)  # and where planned rows stop (finish)
-    state = _first(model.initial_state, model, inputs)
-    device = tree_leaves(state)[0].device if tree_leaves(state) else tree_leaves(inputs)[0].device
-    active = torch.arange(B, device=device)  # (B_active,) original rows of the running samples
-    stop_times = torch.full((B,), T, dtype=torch.long, device=device)
-    probs = torch.full((B, max(T - 1, 0)), float("nan"), device=device) if record_probs else None
-    result = None  # preallocated on the first write: stopped rows go straight to their place
-    remaining: list[int] | None = None  # planned mode: remaining[t] = rows still running after step t
-    previous = None
+    check_replan_step(rule.plan_step, rule.replan_step, T)
+    run = _ShrinkingBatch(model, inputs, T)
+    if record_probs:
+        rule = _RecordingProbs(rule, run.B, T, run.active.device)
+    asks, reads = rule.ask_steps(T), rule.read_steps(T)  # (and the model is read out where planned rows stop)
+    running: list[int] | None = None  # after a plan: running[t] = rows still running after step t
+    output = previous = None
+    if 0 in asks:  # a plan made before the first step
+        running, _ = run.follow(rule.decide(StepView(0, T, run.inputs, None, None, run.state, run.active)), None, 0)
+    for t in range(1, T + 1):
+        output = run.step(t, t in reads)
+        if t == T:
+            run.finish(slice(None), output, T)
+            break
+        if running is not None:  # after a plan: the rows past its count at t stop here, with no decision
+            output, previous = run.keep_leading(running[t], output, t, previous)
+        if t in asks and not run.done:
+            answer = rule.decide(StepView(t, T, run.inputs, output, previous, run.state, run.active))
+            if isinstance(answer, Plan):
+                running, output = run.follow(answer, output, t)
+            else:
+                output = run.stop_rows(answer, output, t)
+        if run.done:
+            break
+        previous = output if t + 1 in asks else None  # what the rule reads as previous_output next step
+    extras = {"stop_probs": rule.probs} if record_probs else {}
+    return Rollout(outputs=run.result, stop_times=run.stop_times, num_steps=T, extras=extras)
 
-    def finish(rows: slice | Tensor, output: Any, t: int) -> Any:
+
+class _ShrinkingBatch:
+    """The rows still running of one early-exit rollout (their state, inputs and original positions), and the
+    result the stopped rows are written into, in input order."""
+
+    def __init__(self, model: Any, inputs: Any, T: int):
+        self.model, self.inputs, self.T = model, inputs, T
+        self.B = batch_size(inputs)
+        self.state = _first(model.initial_state, model, inputs)
+        leaves = tree_leaves(self.state)
+        device = leaves[0].device if leaves else tree_leaves(inputs)[0].device
+        self.active = torch.arange(self.B, device=device)  # (B_active,) original rows of the running samples
+        self.stop_times = torch.full((self.B,), T, dtype=torch.long, device=device)
+        self.result = None  # preallocated on the first write: stopped rows go straight to their place
+        self.done = False  # every row has stopped
+
+    def step(self, t: int, read: bool) -> Any:
+        self.state, output = _step(self.model, t, self.state, self.inputs, read=read)
+        return output
+
+    def finish(self, rows: slice | Tensor, output: Any, t: int) -> Any:
         """Write the running rows ``rows`` at their stop step t; ``output`` None (planned: a step the plan does not
         read): the running rows are read out here first, all of them, so that each row's output is the value it had
         when every step was read out (a batched readout can round a row otherwise with other rows around it: sampled
         Stage I trains through this). Returns the output."""
-        nonlocal result
         if output is None:
-            output = _readout(model, t, state, inputs)
-        if result is None:
-            result = tree_map(lambda x: x.new_empty((B, *x.shape[1:])) if x.dim() > 0 else x, output)
-        idx = active[rows]
-        tree_zip_apply(lambda dst, src: dst.index_copy_(0, idx, take_rows(src, rows)), result, output)
-        if t < T:
-            stop_times[idx] = t
+            output = _readout(self.model, t, self.state, self.inputs)
+        if self.result is None:
+            self.result = tree_map(lambda x: x.new_empty((self.B, *x.shape[1:])) if x.dim() > 0 else x, output)
+        idx = self.active[rows]
+        tree_zip_apply(lambda dst, src: dst.index_copy_(0, idx, take_rows(src, rows)), self.result, output)
+        if t < self.T:
+            self.stop_times[idx] = t
         return output
 
-    def lead(k: int, *trees: Any) -> list[Any]:
-        """Keep the first k running rows (planned mode: they are the ones going on); ``trees`` follow them."""
-        nonlocal active, state, inputs
-        keep = slice(0, k)
-        active, state, inputs = active[keep], tree_select(state, keep), tree_select(inputs, keep)
-        return [None if x is None else tree_select(x, keep) for x in trees]
+    def _select(self, rows: slice | Tensor, *trees: Any) -> list[Any]:
+        """Keep the running rows ``rows`` (a slice, or integer positions); ``trees`` follow them."""
+        self.active, self.state, self.inputs = self.active[rows], tree_select(self.state, rows), tree_select(self.inputs, rows)
+        return [None if x is None else tree_select(x, rows) for x in trees]
 
-    def plan(t: int, output: Any, previous: Any = None, again: bool = False) -> Any:
-        """Ask a planning rule (``again``: for its second plan); sort the running rows by planned depth (the
-        output too, if any)."""
-        nonlocal remaining, active, state, inputs
-        n = active.numel()
-        view = StepView(t, T, inputs, output, previous, state, active)
-        times = (rule.replan(view) if again else rule.plan(view)).clamp(max(t, 1), T)
-        remaining = [0] * (T + 1)
-        if n == 1:  # a single sample: its depth is all there is to know (one sync, nothing to sort)
-            depth = int(times)
-            remaining[t:depth] = [1] * (depth - t)
-            return output
-        times, order = torch.sort(times, descending=True, stable=True)
-        # one host sync: how many rows are still running after each step t..T
-        counts = torch.bincount(times, minlength=T + 1).flip(0).cumsum(0).flip(0)  # counts[s] = #(times >= s)
-        remaining[t:] = counts[t + 1:].tolist() + [0]
-        same = output is state  # a readout that is the state itself (LISTA's x_t): one gather, not two
-        active, state, inputs = active[order], tree_select(state, order), tree_select(inputs, order)
-        return None if output is None else state if same else tree_select(output, order)
+    def keep_leading(self, k: int, output: Any, t: int, previous: Any) -> tuple[Any, Any]:
+        """After a plan: the rows past the first k (the shallowest planned) stop at t; the first k go on."""
+        n = self.active.numel()
+        if k < n:
+            output = self.finish(slice(k, n), output, t)
+            self.done = k == 0
+            output, previous = self._select(slice(0, k), output, previous)
+        return output, previous
 
-    if plan_step == 0:
-        plan(0, None)
-    output = None
-    for t in range(1, T + 1):
-        if remaining is not None and remaining[t - 1] < active.numel():  # planned mode: keep the leading rows
-            previous, = lead(remaining[t - 1], previous)
-        state, output = _step(model, t, state, inputs, read=t in reads)
-        if t == T:
-            finish(slice(None), output, T)
-            break
-        if t == plan_step:
-            output = plan(t, output)
-        if remaining is not None:  # planned: the rows past the plan's count at t stop here, no decision
-            n, left = active.numel(), remaining[t]
-            if left < n:
-                output = finish(slice(left, n), output, t)
-                if left == 0:
-                    break
-            if t == replan_step:  # the rows still running are planned again (and sorted), from the run so far
-                if left < n:
-                    output, previous = lead(left, output, previous)
-                output = plan(t, output, previous, again=True)
-                previous = None
-                n, left = active.numel(), remaining[t]
-                if left < n:
-                    finish(slice(left, n), output, t)
-                    if left == 0:
-                        break
-            elif replan_step is not None and t == replan_step - 1:
-                previous = output
-            continue
-        if t < first:
-            previous = output
-            continue
-        stop = rule(StepView(t, T, inputs, output, previous, state, active))
-        if stop.shape != (active.numel(),) or stop.dtype != torch.bool:
-            raise ValueError(f"a stop rule must return a bool tensor of shape ({active.numel()},); "
-                             f"got {stop.dtype} {tuple(stop.shape)}")
-        if probs is not None:
-            if plan_step is not None:
-                raise ValueError("record_probs=True needs a per-step rule; this rule plans the depth")
-            reported = getattr(rule, "last_probs", None)
-            if reported is None:
-                raise ValueError("record_probs=True needs a rule that reports stop probabilities (PolicyRule)")
-            probs[active, t - 1] = reported.to(probs)
-        n = active.numel()
+    def follow(self, plan: Plan, output: Any, t: int) -> tuple[list[int], Any]:
+        """Sort the running rows (and the output) as ``plan`` orders them, then stop those it stops at t; the plan's
+        counts, and the output of the rows going on."""
+        if plan.order is not None:
+            same = output is self.state  # a readout that is the state itself (LISTA's x_t): one gather, not two
+            self._select(plan.order)
+            output = None if output is None else self.state if same else tree_select(output, plan.order)
+        output, _ = self.keep_leading(plan.running[t], output, t, None)
+        return plan.running, output
+
+    def stop_rows(self, stop: Tensor, output: Any, t: int) -> Any:
+        """A per-step rule's (B_active,) bool answer: write the rows that stop at t, keep the others (in order)."""
+        n = self.active.numel()
+        if stop.shape != (n,) or stop.dtype != torch.bool:
+            raise ValueError(f"a stop rule must return a bool tensor of shape ({n},); got {stop.dtype} {tuple(stop.shape)}")
         if n == 1:  # batch of one: a stop simply ends the loop
             if bool(stop):
-                finish(slice(None), output, t)
-                break
-            previous = output
-            continue
+                self.finish(slice(None), output, t)
+                self.done = True
+            return output
         # One host synchronisation (the count); rows are then moved with integer indices, which need
         # none: a stable sort puts the continuing rows first, in order, then the stopped ones.
         n_stop = int(stop.sum())
         if n_stop:
             order = torch.argsort(stop.to(torch.int8), stable=True)
-            gone, keep = order[n - n_stop:], order[:n - n_stop]
-            finish(gone, output, t)
-            if n_stop == n:
-                break
-            active, state, inputs = active[keep], tree_select(state, keep), tree_select(inputs, keep)
-            output = tree_select(output, keep)
-        previous = output
-    extras = {"stop_probs": probs} if probs is not None else {}
-    return Rollout(outputs=result, stop_times=stop_times, num_steps=T, extras=extras)
+            self.finish(order[n - n_stop:], output, t)
+            self.done = n_stop == n
+            if not self.done:
+                output, = self._select(order[:n - n_stop], output)
+        return output
+
+
+class _RecordingProbs(StopRule):
+    """A per-step rule that records the stop probabilities it reports (``last_probs``) at each step it is asked."""
+
+    def __init__(self, rule: StopRule, B: int, T: int, device: torch.device):
+        if rule.plan_step is not None:
+            raise ValueError("record_probs=True needs a per-step rule; this rule plans the depth")
+        self.rule = rule
+        self.first_step, self.reads_previous = rule.first_step, rule.reads_previous
+        self.probs = torch.full((B, max(T - 1, 0)), float("nan"), device=device)
+
+    def __call__(self, view: StepView) -> Tensor:
+        stop = self.rule.decide(view)
+        reported = self.rule.last_probs
+        if reported is None:
+            raise ValueError("record_probs=True needs a rule that reports stop probabilities (PolicyRule)")
+        self.probs[view.index, view.t - 1] = reported.to(self.probs)
+        return stop
 
 
 def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int) -> Rollout:
@@ -427,8 +479,8 @@ def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int
     check_stepwise(model)
     T = model.num_steps
     B = batch_size(inputs)
-    first = first_ask(rule)
-    reads = read_steps(rule, T)
+    first = rule.first_ask
+    reads = rule.read_steps(T)
     state = _first(model.initial_state, model, inputs)
     device = tree_leaves(state)[0].device if tree_leaves(state) else tree_leaves(inputs)[0].device
     active = torch.arange(B, device=device)

@@ -21,6 +21,7 @@ from .distributions import (exit_costs, log_cost_prior, log_depth_prior, log_ora
                             log_stop_time_distribution, sample_stop_time)
 from .loop import run_with_early_exit
 from .model import StoppingModel
+from .protocols import member
 from .rules import StopAtTimes
 
 OBJECTIVES: Registry[Callable] = Registry("stage objective")
@@ -341,7 +342,7 @@ def auxiliary(sm: StoppingModel, inputs, target, loss_fn, cfg: StageConfig, gene
 def _auxiliary_loss(sm: StoppingModel, inputs, target) -> Tensor | None:
     """``policy.auxiliary_loss(inputs, target)`` if the policy has one and it gives one (else None), checked finite:
     what a part of the policy learns from the targets besides the stop, e.g. MAML's posterior-mean estimate."""
-    aux = getattr(sm.policy, "auxiliary_loss", None)
+    aux = member(sm.policy, "auxiliary_loss")
     loss = aux(inputs, target) if callable(aux) else None
     if loss is not None and not bool(torch.isfinite(loss.detach()).all()):
         raise NonFiniteError(f"the policy's auxiliary loss is non-finite ({float(loss.detach())})")

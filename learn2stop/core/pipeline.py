@@ -24,11 +24,12 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from ..runtime.registry import get_rule, list_rules
 from ..utils.config import ConfigError
 from ..utils.distributed import DistContext
 from ..utils.outputs import previous_path
 from ..utils.report import write_json, write_text_atomic
-from .calibration import (Calibration, InferenceConfig, POLICY_RULES, active_rule, policy_rules, calibrate_budget, calibrate_match, calibrate_risk,
+from .calibration import (Calibration, InferenceConfig, active_rule, policy_rules, calibrate_budget, calibrate_match, calibrate_risk,
                           CALIBRATION_FILE, CalibrationTarget, check_calibration_replace, load_calibration,
                           save_calibration)
 from .curves import (budget_costs, budget_curve, extend_below, fastest_at_quality, fixed_depth_curve, frontier_point,
@@ -104,6 +105,10 @@ class StoppingApp:
     #: ``reproduce`` also calibrates every other rule to the deployed target and times each beside the baseline
     #: (:func:`deployment_in_time`).
     deploy_in_time: bool = True
+    #: why the task's stop model cannot be exported to ONNX, or "" (``export`` refuses with this reason)
+    export_unsupported: str = ""
+    #: input dims (beyond the batch) an export keeps dynamic: {input name: [dims]} (images of any size), or None
+    export_dynamic_dims: dict | None = None
 
     #: most entries of :meth:`cached`.
     cache_size = 8
@@ -188,7 +193,7 @@ class StoppingApp:
         """The policy rule that is deployed, calibrated and drawn as "policy": the configured one, or quantile
         when the configured rule is a classical one."""
         rule = self.inference(cfg).rule
-        return rule if rule in POLICY_RULES else "quantile"
+        return rule if get_rule(rule).needs_policy else "quantile"
 
     def seed(self, cfg: Any) -> int:
         return int(getattr(cfg, "seed", 0))
@@ -311,13 +316,11 @@ def load_stage(app: StoppingApp, cfg: Any, run_dir: str | Path, stage: str, devi
     return sm.eval()
 
 
-#: rules that read class probabilities: only a task whose outputs are class logits has them
-CLASS_RULES = ("confidence", "entropy", "patience")
-
-
 def task_rules(app: StoppingApp, cfg: Any) -> list[str]:
-    """The stop rules of a task: the policy's (quantile, threshold, price), its classical signals, and a fixed depth."""
-    return [*POLICY_RULES, *app.classical_signals(cfg), "fixed"]
+    """The stop rules of a task (read off the rule registry's ``offered_by``): the policy's (quantile, threshold,
+    price), the classical signals the task names (its classifier rules among them), and those of every task (a
+    fixed depth)."""
+    return [*list_rules(offered_by="policy"), *app.classical_signals(cfg), *list_rules(offered_by="every task")]
 
 
 def check_rule(app: StoppingApp, cfg: Any, rule: Any, field: str, task: str = "") -> None:
@@ -326,7 +329,7 @@ def check_rule(app: StoppingApp, cfg: Any, rule: Any, field: str, task: str = ""
     if rule in rules:
         return
     listing = f"rules of {'task ' + task if task else 'this task'}: {', '.join(rules)}"
-    if rule in CLASS_RULES:
+    if rule in list_rules(offered_by="classifier"):
         raise ConfigError(f"{field}: the {rule!r} rule reads class probabilities, and this task's outputs have no "
                           f"classes; {listing}")
     if rule in SIGNALS:
@@ -336,7 +339,7 @@ def check_rule(app: StoppingApp, cfg: Any, rule: Any, field: str, task: str = ""
 
 def check_policy_rule(rule: str, sm: StoppingModel, field: str) -> None:
     """A policy rule the trained stop model's policy supports (the price rule needs a planning policy)."""
-    if rule in POLICY_RULES and sm.policy is not None and rule not in policy_rules(sm.policy):
+    if rule in SIGNALS and get_rule(rule).needs_policy and sm.policy is not None and rule not in policy_rules(sm.policy):
         raise ConfigError(f"{field}: the {rule!r} rule reads a planned q_phi, and this run's policy does not plan "
                           f"(it has no plan_step); rules of this policy: {', '.join(policy_rules(sm.policy))}")
 

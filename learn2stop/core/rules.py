@@ -16,22 +16,35 @@ sample (``view.index``) and reset when a new rollout starts (t = 1).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .loop import StepView, _policy_logits, first_ask, member, planned_log_q, planned_logits, replan_log_q, replan_scores_late
+from .loop import (StepView, StopRule, _policy_logits, as_stop_rule, planned_log_q, planned_logits, replan_log_q,
+                   replan_scores_late)
+from .protocols import member
+from ..runtime.registry import attach, get_rule, list_rules
 from .trees import tree_leaves
+
+
+def register_signal(cls: type) -> type:
+    """Attach a torch signal class to its rule's registry entry (``cls.name``); its ``param_name`` and
+    ``needs_policy`` are the entry's."""
+    entry = attach(cls.name, signal=cls)
+    cls.param_name, cls.needs_policy = entry.param_name, entry.needs_policy
+    return cls
 
 
 class StopSignal:
     """Base: ``signal(view) -> (B_active,)`` scores; higher means readier to stop.
 
-    ``name`` identifies the rule family; ``param_name`` and :meth:`to_param` / :meth:`from_param`
-    translate between the score threshold and the parameter users set (e.g. a tolerance is the
-    negated score threshold).
+    ``name`` is the rule's entry in the rule registry (:mod:`learn2stop.runtime.registry`), which declares
+    its ``param_name`` and ``needs_policy`` (copied here by :func:`register_signal`); :meth:`to_param` /
+    :meth:`from_param` translate between the score threshold and the parameter users set (e.g. a tolerance is
+    the negated score threshold).
     """
 
     name = "signal"
@@ -58,6 +71,15 @@ class StopSignal:
     def __call__(self, view: StepView) -> Tensor:
         raise NotImplementedError
 
+    def plan_times(self, view: StepView, threshold: float) -> Tensor | None:
+        """A planning signal's stop times at ``threshold`` computed directly, where it has a faster way than the
+        first crossing of :meth:`plan_scores`; None: it has none."""
+        return None
+
+    def replan_times(self, view: StepView, threshold: float) -> Tensor:
+        """The stop times of the samples still running at a second plan (``replan_step``): a rule that reads one."""
+        raise ValueError(f"the {self.name!r} rule reads one plan; a second plan is read by the price rule")
+
     def rule(self, threshold: float) -> Any:
         """The online rule of this signal at a score threshold (:class:`SignalRule`; a signal with a cheaper
         equivalent rule returns that)."""
@@ -69,8 +91,10 @@ class _Stateful(StopSignal):
     in a stream). The rows asked at the signal's first step start afresh; the others keep their memory, so
     samples at different steps may share the signal (the streaming runner's per-step batches)."""
 
+    _memory: Tensor | None = None  # (rows, ...) per-sample memory, grown as rows with higher indices come
+
     def _state(self, view: StepView, init: Callable[[int], Tensor]) -> Tensor:
-        mem = getattr(self, "_memory", None)
+        mem = self._memory
         if mem is not None and view.t > self.first_step:
             return mem
         need = int(view.index.max()) + 1 if view.index.numel() else 0  # once per rollout: the rows start here
@@ -86,14 +110,12 @@ class _Stateful(StopSignal):
 class _PolicyBased(StopSignal):
     """A signal read off a learned policy: asked from its ``min_step``, or once at its ``plan_step``."""
 
-    needs_policy = True
-
     def __init__(self, policy: nn.Module):
         self.policy = policy
         self.plan_step = member(policy, "plan_step")
         self.first_step = self.plan_step if self.plan_step is not None else int(member(policy, "min_step"))
         self.replan_step = member(policy, "replan_step") if self.plan_step is not None else None
-        if self.replan_step is not None and not callable(getattr(self, "replan_times", None)):
+        if self.replan_step is not None and not get_rule(self.name).plans:  # a planning rule reads both plans
             raise ValueError(f"the {self.name!r} rule reads one plan, and this policy plans again at step "
                              f"{self.replan_step} (replan_step): use the price rule")
 
@@ -111,10 +133,11 @@ class _PolicyBased(StopSignal):
         raise NotImplementedError
 
 
+@register_signal
 class PolicySignal(_PolicyBased):
     """pi_t = sigmoid(policy logit): the paper's stopping policy (Eq. 2)."""
 
-    name, param_name = "threshold", "threshold"
+    name = "threshold"
 
     @staticmethod
     def scores(stop_logits: Tensor) -> Tensor:
@@ -124,6 +147,7 @@ class PolicySignal(_PolicyBased):
         return torch.sigmoid(_policy_logits(self.policy, view.inputs, view.output, view.t, view.index.numel()))
 
 
+@register_signal
 class QuantileSignal(_PolicyBased, _Stateful):
     """The probability that q_phi has stopped by step t, 1 - prod_{s<=t} (1 - pi_s), as a score.
 
@@ -132,7 +156,7 @@ class QuantileSignal(_PolicyBased, _Stateful):
     to 1.0 once q_phi is sharp and would merge distinct thresholds); the parameter is alpha itself.
     """
 
-    name, param_name = "quantile", "alpha"
+    name = "quantile"
 
     @staticmethod
     def scores(stop_logits: Tensor) -> Tensor:
@@ -165,6 +189,7 @@ class _LowerStops:
         return -param
 
 
+@register_signal
 class PriceSignal(_LowerStops, _PolicyBased):
     """One planned q_phi for every budget: stop at argmax_t log q_phi(t) - price * c_t (a planning policy only).
 
@@ -176,7 +201,7 @@ class PriceSignal(_LowerStops, _PolicyBased):
     The parameter is the price per full depth (c_t = t / T) in log-probability units.
     """
 
-    name, param_name = "price", "price"
+    name = "price"
 
     @staticmethod
     def scores(stop_logits: Tensor) -> Tensor:
@@ -256,6 +281,7 @@ def _leaf(output: Any, key: str | Callable | None) -> Tensor:
     return output if isinstance(output, Tensor) else leaves[0]
 
 
+@register_signal
 class ToleranceSignal(_LowerStops, _Keyed):
     """The classical convergence test: minus the relative change ||o_t - o_{t-1}|| / ||o_t||.
 
@@ -264,7 +290,7 @@ class ToleranceSignal(_LowerStops, _Keyed):
     asked from step 2. The parameter is the tolerance.
     """
 
-    name, param_name = "tolerance", "tol"
+    name = "tolerance"
     first_step = 2
 
     def __call__(self, view: StepView) -> Tensor:
@@ -276,29 +302,32 @@ class ToleranceSignal(_LowerStops, _Keyed):
         return -(flat - before).norm(dim=1) / flat.norm(dim=1).clamp_min(1e-12)
 
 
+@register_signal
 class ConfidenceSignal(_Keyed):
     """Max softmax probability of a classifier's logits (SDN's exit rule)."""
 
-    name, param_name = "confidence", "q"
+    name = "confidence"
 
     def __call__(self, view: StepView) -> Tensor:
         return torch.softmax(_leaf(view.output, self.key).float(), dim=-1).amax(dim=-1)
 
 
+@register_signal
 class EntropySignal(_LowerStops, _Keyed):
     """Minus the entropy of the softmax (BranchyNet's rule); the parameter is the entropy bound."""
 
-    name, param_name = "entropy", "max_entropy"
+    name = "entropy"
 
     def __call__(self, view: StepView) -> Tensor:
         logp = torch.log_softmax(_leaf(view.output, self.key).float(), dim=-1)
         return (logp.exp() * logp).sum(dim=-1)
 
 
+@register_signal
 class PatienceSignal(_Stateful, _Keyed):
     """How many exits in a row the predicted class has stayed the same (PABEE); parameter: patience k."""
 
-    name, param_name = "patience", "k"
+    name = "patience"
 
     def __call__(self, view: StepView) -> Tensor:
         pred = _leaf(view.output, self.key).argmax(dim=-1)
@@ -310,6 +339,7 @@ class PatienceSignal(_Stateful, _Keyed):
         return run
 
 
+@register_signal
 class DepthSignal(_Keyed):
     """A fixed depth as a signal: the score at step t is t, so threshold d stops every sample at step d.
 
@@ -319,7 +349,7 @@ class DepthSignal(_Keyed):
     out at that depth alone. The parameter is the depth; it reads no output (``key`` is ignored).
     """
 
-    name, param_name = "fixed", "depth"
+    name = "fixed"
 
     @staticmethod
     def depth(threshold: float) -> int | None:
@@ -335,10 +365,24 @@ class DepthSignal(_Keyed):
         return FixedDepth(self.depth(float(threshold)))
 
 
-SIGNALS: dict[str, type] = {c.name: c for c in (PolicySignal, QuantileSignal, PriceSignal, ToleranceSignal,
-                                                ConfidenceSignal, EntropySignal, PatienceSignal, DepthSignal)}
-#: policy rules that need a planning policy (the whole q_phi at once).
-PLANNING_RULES = ("price",)
+class _Signals(Mapping):
+    """Rule name -> its torch signal class, for every registered rule with one: a view of the rule registry
+    (:mod:`learn2stop.runtime.registry`), not a second table."""
+
+    def __getitem__(self, name: str) -> type:
+        signal = get_rule(name).signal if isinstance(name, str) else None
+        if signal is None:
+            raise KeyError(name)
+        return signal
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([n for n in list_rules() if get_rule(n).signal is not None])
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+
+SIGNALS: Mapping[str, type] = _Signals()
 
 
 def make_signal(name: str, policy: nn.Module | None = None, key: str | Callable | None = None) -> StopSignal:
@@ -354,7 +398,7 @@ def make_signal(name: str, policy: nn.Module | None = None, key: str | Callable 
     return cls(key)
 
 
-class SignalRule:
+class SignalRule(StopRule):
     """Stop a sample at the first step whose signal reaches ``threshold`` (in score units).
 
     A threshold of +inf (the calibrators' "never stop early") is never asked: full depth, as :class:`FixedDepth`,
@@ -378,10 +422,8 @@ class SignalRule:
     def plan(self, view: StepView) -> Tensor:
         """Stop times of a planning signal: the first crossing of its planned scores (or the signal's own
         direct form of it, ``plan_times``)."""
-        direct = getattr(self.signal, "plan_times", None)
-        if direct is not None:
-            return direct(view, self.threshold)
-        return first_crossing(self.signal.plan_scores(view), self.threshold)
+        times = self.signal.plan_times(view, self.threshold)
+        return times if times is not None else first_crossing(self.signal.plan_scores(view), self.threshold)
 
     def replan(self, view: StepView) -> Tensor:
         """Stop times of the samples still running at the signal's ``replan_step``, from its second plan."""
@@ -404,7 +446,7 @@ class SignalRule:
 
 
 # ----------------------------------------------------------------------------- the basic rules
-class FixedDepth:
+class FixedDepth(StopRule):
     """Stop every sample at step ``depth`` (default: T, i.e. never early). Asked once, at that step."""
 
     reads_previous = False  # (the loop reads the model out at the depth alone)
@@ -426,10 +468,11 @@ def reads_at_stop_alone(rule: Any, num_steps: int) -> bool:
     ``exit_costs`` (which count every exit up to t)."""
     if isinstance(rule, FixedDepth):
         return True
-    return member(rule, "plan_step") is None and first_ask(rule) >= num_steps
+    rule = as_stop_rule(rule)
+    return rule.plan_step is None and rule.first_ask >= num_steps
 
 
-class StopAtTimes:
+class StopAtTimes(StopRule):
     """Stop each sample at a given 1-based step (e.g. sampled from the oracle): a plan made before step 1.
 
     Args:

@@ -10,7 +10,7 @@ different times, and the model's steps never run on padding. It works for any st
 their own weights, as here, or shared ones) and any rule of the loop:
 
 - a planning rule plans each request once, at its plan step, and the request stops at its planned step;
-- a per-step rule is asked at its steps from ``first_ask(rule)``; a rule with memory (quantile, patience)
+- a per-step rule is asked at its steps from ``rule.first_ask``; a rule with memory (quantile, patience)
   keeps it per *slot*: a request holds one of ``capacity`` slots while it runs (``StepView.index``).
 
 Stop times and outputs equal :func:`~learn2stop.core.loop.run_with_early_exit`'s for every request (a test
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .loop import StepView, _readout, _step, check_rule, check_stepwise, first_ask, member, read_steps
+from .loop import StepView, _readout, _step, as_stop_rule, check_stepwise
 from .trees import batch_size, tree_cat, tree_leaves, tree_map, tree_select
 
 
@@ -95,16 +95,16 @@ class StreamingRunner:
 
     def __init__(self, model: Any, rule: Any, max_batch: int = 64, capacity: int = 4096):
         check_stepwise(model)
-        check_rule(rule)
+        rule = as_stop_rule(rule)
         for name, v in (("max_batch", max_batch), ("capacity", capacity)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {v!r}")
         self.model, self.rule, self.max_batch, self.capacity = model, rule, max_batch, capacity
         self.T = model.num_steps
-        self.plan_step = member(rule, "plan_step")
-        self.replan_step = member(rule, "replan_step") if self.plan_step is not None else None
-        self.first = first_ask(rule)
-        self.reads = read_steps(rule, self.T)  # as the loop; a planned request that stops elsewhere is read alone
+        self.plan_step = rule.plan_step
+        self.replan_step = rule.replan_step if self.plan_step is not None else None
+        self.first = rule.first_ask
+        self.reads = rule.read_steps(self.T)  # as the loop; a planned request that stops elsewhere is read alone
         self.queues: list[deque[_Chunk]] = [deque() for _ in range(self.T)]  # queues[t]: ran t steps
         self._rows = [0] * self.T  # requests in each queue (kept as they come and go: a tick must not count them)
         self.finished: dict[int, Finished] = {}

@@ -5,10 +5,11 @@ import hashlib
 import json
 from pathlib import Path
 
+from .registry import list_rules
+
 FORMAT = "learn2stop-onnx"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-RULES = ("fixed", "threshold", "quantile", "confidence", "entropy", "tolerance", "price")
 
 
 class ManifestError(ValueError):
@@ -56,9 +57,9 @@ def read_manifest(folder: str | Path, verify: bool = True) -> dict:
     T, last = m.get("num_steps"), m.get("last_step")
     _require(isinstance(T, int) and T >= 1 and isinstance(last, int) and 1 <= last <= T, path,
              f"num_steps / last_step must be integers with 1 <= last_step <= num_steps; got {T!r} / {last!r}")
-    rule = m.get("rule")
-    _require(isinstance(rule, dict) and rule.get("name") in RULES, path,
-             f"'rule' must name one of {', '.join(RULES)}; got {rule!r}")
+    rule, runs = m.get("rule"), list_rules(runtime=True)
+    _require(isinstance(rule, dict) and rule.get("name") in runs, path,
+             f"'rule' must name one of {', '.join(runs)}; got {rule!r}")
     for field in ("inputs", "outputs", "state"):
         _check_tensors(path, m.get(field), field)
     _require(len(m["inputs"]) >= 1 and len(m["outputs"]) >= 1, path, "needs at least one input and one output")

@@ -20,6 +20,8 @@ import functools
 
 import numpy as np
 
+from .registry import attach, get_rule
+
 
 def log_sigmoid(x: np.ndarray) -> np.ndarray:
     """log sigmoid(x), stable for large |x| (float32 in, float32 out)."""
@@ -192,11 +194,12 @@ class FixedRule(Rule):
         raise AssertionError("a fixed depth is never asked: its export ends at the depth")
 
 
-RULES = {"threshold": ThresholdRule, "quantile": QuantileRule, "confidence": ConfidenceRule,
-         "entropy": EntropyRule, "tolerance": ToleranceRule, "price": PriceRule, "fixed": FixedRule}
+for _name, _rule in {"threshold": ThresholdRule, "quantile": QuantileRule, "confidence": ConfidenceRule,
+                     "entropy": EntropyRule, "tolerance": ToleranceRule, "price": PriceRule, "fixed": FixedRule}.items():
+    attach(_name, numpy_rule=_rule)
 
 
 def make_rule(spec: dict) -> Rule:
-    """The numpy rule of a manifest's ``rule`` entry (threshold null = never stops early)."""
+    """The numpy rule of a manifest's ``rule`` entry (threshold null = never stops early), from the rule registry."""
     thr = spec.get("threshold")
-    return RULES[spec["name"]](np.inf if thr is None else float(thr))
+    return get_rule(spec["name"]).numpy_rule(np.inf if thr is None else float(thr))

@@ -39,5 +39,9 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return sorted(self._entries)
 
+    def values(self) -> list[T]:
+        """The entries in the order they were registered (the order listings show them in)."""
+        return list(self._entries.values())
+
     def __contains__(self, name: str) -> bool:
         return name in self._entries

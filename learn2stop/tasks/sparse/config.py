@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from ...core import InferenceConfig, MethodConfig, StageConfig
-from ...core.calibration import POLICY_RULES
+from ...runtime.registry import get_rule
 from ...core.objectives import stage_field
 from ...utils.config import merge, non_empty, one_of, positive, positive_int, preset_config, require
 from .problem import ProblemConfig
@@ -131,7 +131,7 @@ class SparseConfig:
             require(got == expected, f"{name}.objective", f"must be {expected!r} for this stage; got {got!r}")
         require(self.lista.num_steps >= 2, "lista.num_steps", "a stopping policy needs T >= 2 steps")
         # a rule that reads no policy (tolerance, a fixed depth) works with any; of the policy's, the price rule alone
-        require(self.policy.replan_mass == 0 or self.inference.rule not in POLICY_RULES
+        require(self.policy.replan_mass == 0 or not get_rule(self.inference.rule).needs_policy
                 or self.inference.rule == "price", "policy.replan_mass",
                 f"a second plan is read by the price rule; inference.rule is {self.inference.rule!r}")
         require(self.policy.replan_mass == 0 or not self.inference.sampled, "policy.replan_mass",

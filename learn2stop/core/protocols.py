@@ -1,0 +1,67 @@
+"""What users hand the library, declared once: a step-wise model and a stopping policy, with their optional members
+and what each one's absence means.
+
+Nothing needs to subclass anything (wrap, don't subclass): a model or a policy declares an optional member by having
+it, and every reader (the loop, the rules, calibration, the costs, the objectives, export and the backends) looks it
+up with :func:`member`, the one place that does, so a default is written here and nowhere else. A stop rule's
+optional members are those of :class:`~learn2stop.core.loop.StopRule`, with their defaults there.
+
+The model's optional members:
+
+- ``exit_costs``: cumulative cost of stopping at t = 1..T (FLOPs, MACs); absent: t;
+- ``fixed_exit_costs``: the cost of stopping at t when the model is read out at t alone (a fixed depth: no earlier
+  exit head evaluated), in the units of ``exit_costs``; absent: ``exit_costs``.
+
+The policy's optional members:
+
+- ``min_step``: the first step it is asked at (pi_t = 0 before); absent: 1;
+- ``plan_step``: it plans every step's stop at once, at this step; absent: asked per step;
+- ``plan_log_q``: ``plan_log_q(inputs, output, t) -> (B, T)`` log q_phi, what a planning policy's stop logits are
+  made from, read directly by rules that want the plan (the price rule); absent: from the logits;
+- ``replan_step``: a planning policy revises the plan of the samples still running, once, at this later step, with
+  ``replan_log_q(inputs, output, previous_output, t) -> (B, T)`` log q_phi of steps t..T given the run so far (its
+  q_phi is then :func:`~learn2stop.core.distributions.replanned_log_q` of the two plans); absent: one plan;
+- ``priced_plan`` / ``priced_replan``: ``priced_plan(inputs, output, t, threshold)`` and ``priced_replan(inputs,
+  output, previous_output, t, threshold) -> (B,)`` the price rule's stop steps, argmax_{u >= t} log q_phi(u) +
+  threshold * u / T, computed by the policy where it has a faster way (a small batch on a CPU), or None; absent or
+  None: the rule takes the argmax of ``plan_log_q`` itself;
+- ``auxiliary_loss``: ``auxiliary_loss(inputs, target) -> scalar or None``, what a part of the policy learns from the
+  targets besides the stop (MAML's posterior-mean estimate), added to its stage's loss; absent: none.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+#: the optional members of a step-wise model and their defaults (see the module's text)
+MODEL_MEMBERS: dict[str, Any] = {"exit_costs": None, "fixed_exit_costs": None}
+#: the optional members of a stopping policy and their defaults (see the module's text)
+POLICY_MEMBERS: dict[str, Any] = {"min_step": 1, "plan_step": None, "plan_log_q": None, "replan_step": None,
+                                  "priced_plan": None, "priced_replan": None, "auxiliary_loss": None}
+OPTIONAL_MEMBERS: dict[str, Any] = {**MODEL_MEMBERS, **POLICY_MEMBERS}
+
+
+def member(obj: Any, name: str) -> Any:
+    """The optional member ``name`` of a model or a policy (:data:`OPTIONAL_MEMBERS`), or what its absence means
+    (also for ``obj`` None: no policy); a name not declared here is a KeyError, so that no reader invents one."""
+    default = OPTIONAL_MEMBERS[name]
+    return default if obj is None else getattr(obj, name, default)
+
+
+@runtime_checkable
+class StepwiseModel(Protocol):
+    """A model the loop drives (:mod:`learn2stop.core.loop`); its optional members are :data:`MODEL_MEMBERS`."""
+
+    num_steps: int
+
+    def initial_state(self, inputs: Any) -> Any: ...
+
+    def step(self, t: int, state: Any, inputs: Any) -> Any: ...
+
+    def readout(self, t: int, state: Any, inputs: Any) -> Any: ...
+
+
+class StoppingPolicy(Protocol):
+    """``policy(inputs, output, t) -> (B,)`` stop logits (pi_t = sigmoid(logit), paper Eq. 2), or for a planning
+    policy (B, T-1) at its ``plan_step``; its optional members are :data:`POLICY_MEMBERS`."""
+
+    def __call__(self, inputs: Any, output: Any, t: int) -> Any: ...
