@@ -13,6 +13,7 @@ from .distributions import (
 from .loop import Rollout, StepView, StepwiseModel, run_with_early_exit, unroll
 from .rules import FixedDepth, PolicyRule, StopAtTimes, ToleranceRule, threshold_stop_times
 from .model import StoppingModel
+from .policies import ExitPolicy, StepMLPPolicy, logit_signals, output_signals
 from .calibration import (Calibration, InferenceConfig, calibrate_budget, calibrate_risk, load_calibration,
                           save_calibration)
 from .distributions import exit_costs, log_cost_prior
@@ -41,6 +42,10 @@ __all__ = [
     "StepwiseModel",
     "StopAtTimes",
     "StoppingModel",
+    "ExitPolicy",
+    "StepMLPPolicy",
+    "logit_signals",
+    "output_signals",
     "ToleranceRule",
     "run_with_early_exit",
     "threshold_stop_times",
