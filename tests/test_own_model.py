@@ -1,14 +1,15 @@
 """A model the library has never seen, end to end through the public API only (``from learn2stop import ...``):
 train, calibrate, frontier, save, load and export an unrolled least-squares solver defined here."""
 import math
+import warnings
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from learn2stop import (StageConfig, StepMLPPolicy, StoppingModel, calibrate, export_model, frontier, output_signals,
-                        train)
+from learn2stop import (FixedDepth, StageConfig, StepMLPPolicy, StoppingModel, StoppingWarning, calibrate, export_model, frontier,
+                        output_signals, train)
 
 D, M, T = 8, 12, 10
 A = torch.randn(M, D, generator=torch.Generator().manual_seed(3)) / math.sqrt(M)
@@ -56,13 +57,15 @@ def trained(tmp_path_factory):
     torch.manual_seed(0)
     sm = build()
     run = tmp_path_factory.mktemp("own")
-    summaries = train(sm, sample, mse, {
-        "stage1": StageConfig(objective="stage1", beta=0.1, iterations=100, batch_size=64, lr=3e-2, eval_every=50),
-        "stage2": StageConfig(objective="stage2", beta=0.1, iterations=200, batch_size=64, lr=1e-2, eval_every=50)},
-        run_dir=run / "run")
-    g = torch.Generator().manual_seed(11)
-    val, test = [sample(512, g, None)], [sample(1024, g, None)]
-    cal = calibrate(sm, val, mse, budget=0.5, test_data=test)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StoppingWarning)  # a healthy run: no guard-rail fires
+        summaries = train(sm, sample, mse, {
+            "stage1": StageConfig(objective="stage1", beta=0.1, iterations=100, batch_size=64, lr=3e-2, eval_every=50),
+            "stage2": StageConfig(objective="stage2", beta=0.1, iterations=200, batch_size=64, lr=1e-2, eval_every=50)},
+            run_dir=run / "run")
+        g = torch.Generator().manual_seed(11)
+        val, test = [sample(512, g, None)], [sample(1024, g, None)]
+        cal = calibrate(sm, val, mse, budget=0.5, test_data=test)
     return sm, summaries, val, test, cal, run
 
 
@@ -124,3 +127,10 @@ def test_inference_runs_without_autograd_unless_grad_is_asked(trained):
     r.outputs.sum().backward()
     assert sm.model.w.grad is not None
     sm.zero_grad(set_to_none=True)
+
+
+def test_the_policy_reads_the_step(trained):
+    sm, _, _, test, _, _ = trained
+    y = test[0][0][:32]
+    x = sm(y, FixedDepth(3)).outputs
+    assert not torch.allclose(sm.policy(y, x, 3), sm.policy(y, x, 8))  # same features, another step: another logit
