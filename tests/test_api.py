@@ -53,3 +53,17 @@ def test_the_frontier_in_time_has_every_point_timed_and_prints_the_in_time_table
 def test_bad_arguments_are_refused_by_name(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call(make_sm())
+
+
+def test_a_baseline_model_as_the_reference():
+    import warnings
+
+    from learn2stop import CalibrationWarning
+
+    sm = make_sm()
+    with pytest.warns(CalibrationWarning, match=r"reference \(baseline Descent at full depth\)"):
+        calibrate(sm, data(), mse, epsilon=0.01, reference=StoppingModel(Descent(junk=3.0)))  # a wrecked baseline
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CalibrationWarning)
+        cal = calibrate(sm, data(), mse, epsilon=0.05, reference=StoppingModel(Descent()))  # the same network
+    assert cal.calibration["risk"] <= 0.05 and cal.calibration["mean_steps"] < T

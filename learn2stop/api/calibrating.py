@@ -66,7 +66,12 @@ def reference_values(sm: StoppingModel, trace: Trace, reference: Any, batches: l
     model = reference.model if isinstance(reference, StoppingModel) else reference
     if not hasattr(model, "num_steps"):
         raise TypeError(f"reference: expected None (full depth), a depth, or a baseline model; got {type(reference).__name__}")
-    base = collect_trace(model, batches, metric, device)
+    was_training = model.training
+    model.eval()
+    try:
+        base = collect_trace(model, batches, metric, device)
+    finally:
+        model.train(was_training)
     if base.metric.shape[0] != trace.metric.shape[0]:
         raise ValueError("reference: the baseline scored a different number of samples")
     return base.metric[:, -1], f"baseline {type(model).__name__} at full depth"

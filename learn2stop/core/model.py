@@ -22,7 +22,7 @@ from .calibration import Calibration, InferenceConfig
 from .distributions import log_stop_time_distribution
 from .loop import Rollout, StopRule, check_rule, check_stepwise, run_with_early_exit, unroll
 from .rules import FixedDepth, PolicyRule
-from .trees import batch_size, check_batch_first, check_inputs
+from .trees import batch_size, check_batch_first, check_inputs, tree_map
 
 PRETRAINED_FORMAT = "learn2stop-pretrained"
 #: the version of the folder :meth:`StoppingModel.save_pretrained` writes; another version is refused
@@ -117,7 +117,8 @@ class StoppingModel(nn.Module):
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
         try:
-            save_checkpoint({"weights": {k: v.detach().cpu() for k, v in self.state_dict().items()}}, tmp / WEIGHTS_FILE)
+            # tensors to the CPU; a module's extra state (plain values, e.g. a learned minimum step) passes through
+            save_checkpoint({"weights": tree_map(lambda v: v.detach().cpu(), self.state_dict())}, tmp / WEIGHTS_FILE)
             write_json({"format": PRETRAINED_FORMAT, "format_version": PRETRAINED_VERSION, "num_steps": self.num_steps,
                         "model": type(self.model).__name__,
                         "policy": None if self.policy is None else type(self.policy).__name__,
