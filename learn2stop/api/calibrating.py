@@ -65,7 +65,8 @@ def reference_values(sm: StoppingModel, trace: Trace, reference: Any, batches: l
         return trace.metric[:, reference - 1], f"fixed depth {reference}"
     model = reference.model if isinstance(reference, StoppingModel) else reference
     if not hasattr(model, "num_steps"):
-        raise TypeError(f"reference: expected None (full depth), a depth, or a baseline model; got {type(reference).__name__}")
+        raise TypeError(f"reference: expected None (full depth), a depth, or a baseline model; "
+                        f"got {type(reference).__name__}")
     was_training = model.training
     model.eval()
     try:
@@ -129,9 +130,9 @@ def calibrate(sm: StoppingModel, data: Any, metric: Any, *, budget: float | None
     if test_data is not None:
         test = model_trace(sm, as_batches(test_data, "test_data", device), metric, [cal.rule], device)
         stops = first_crossing(test.signals[cal.rule], cal.threshold)
-        cal.test = {"metric": metric(test.at(stops), test.extras), "full_depth_metric": metric(test.metric[:, -1], test.extras),
-                    "mean_steps": float(stops.float().mean()),
-                    "mean_cost": float(rule_costs(test, cal.rule)[stops - 1].mean()), "samples": int(stops.numel())}
+        cal.test = {"metric": metric(test.at(stops), test.extras),
+                    "full_depth_metric": metric(test.metric[:, -1], test.extras),
+                    "mean_steps": float(stops.float().mean()), "mean_cost": float(rule_costs(test, cal.rule)[stops - 1].mean()), "samples": int(stops.numel())}
     if attach:
         sm.calibration = cal
     return cal

@@ -9,7 +9,8 @@ from ..core.model import StoppingModel
 from ..export import export_stop_model
 
 
-def export_model(sm: StoppingModel, example_inputs: Any, out_dir: str | Path, *, rule: Any = None, **options: Any) -> Path:
+def export_model(sm: StoppingModel, example_inputs: Any, out_dir: str | Path, *, rule: Any = None,
+                 **options: Any) -> Path:
     """Write ``sm`` as ONNX graphs (one per step, and the policy's) with a checksummed manifest, to be run by
     ``learn2stop.runtime.load(out_dir)`` with numpy and ONNX Runtime alone.
 

@@ -35,8 +35,8 @@ def _factory(sm: StoppingModel, rule: Any):
     if isinstance(rule, Calibration):
         return lambda: rule.make_rule(sm.policy)
     if isinstance(rule, str):
-        raise TypeError(f"rules: {rule!r} is a rule's name; give a stop rule (e.g. SignalRule(ConfidenceSignal(), 0.9), "
-                        f"FixedDepth(3)) or a Calibration")
+        raise TypeError(f"rules: {rule!r} is a rule's name; give a stop rule (e.g. SignalRule(ConfidenceSignal(), "
+                        f"0.9), FixedDepth(3)) or a Calibration")
     return lambda: rule
 
 
