@@ -90,7 +90,7 @@ def sparse_model(tiny: bool, bias: float | None, n: int, features: str = "plan")
 def classify_model(tiny: bool, bias: float | None, n: int):
     """The quick preset's network (vgg6-narrow with 5 exits) and its exit policy; n random images."""
     from learn2stop.tasks.classify.models import build_network
-    from learn2stop.tasks.classify.policy import ExitPolicy
+    from learn2stop.core.policies import ExitPolicy
 
     size, classes = (16, 3) if tiny else (32, 10)
     torch.manual_seed(0)

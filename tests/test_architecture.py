@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "learn2stop"
-LAYERS = {"utils": 0, "runtime": 1, "core": 2, "export": 3, "backends": 3, "tasks": 4, "cli": 5}  # none imports a higher one
+LAYERS = {"utils": 0, "runtime": 1, "core": 2, "export": 3, "backends": 3, "api": 3, "tasks": 4, "cli": 5}  # none imports a higher one
 
 
 def _module(path: Path) -> str:

@@ -159,7 +159,7 @@ def test_exit_policy_equals_its_written_out_definition_bit_for_bit():
     """The functional forward (few operations: it is asked at every exit) is the modules' composition."""
     import math
 
-    from learn2stop.tasks.classify.policy import ExitPolicy
+    from learn2stop.core.policies import ExitPolicy
 
     torch.manual_seed(0)
     pol = ExitPolicy(10, 7)

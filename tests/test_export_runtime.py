@@ -20,7 +20,7 @@ from learn2stop.core.model import StoppingModel  # noqa: E402
 from learn2stop.export import ExportError, export_stop_model  # noqa: E402
 from learn2stop.runtime import ManifestError, load  # noqa: E402
 from learn2stop.tasks.classify.models import build_network  # noqa: E402
-from learn2stop.tasks.classify.policy import ExitPolicy  # noqa: E402
+from learn2stop.core.policies import ExitPolicy  # noqa: E402
 from learn2stop.tasks.sparse.models import LISTA  # noqa: E402
 from learn2stop.tasks.sparse.policy import SparseStopPolicy  # noqa: E402
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from learn2stop.core.fastpath import NUMPY_MAX_BATCH, NumpyCopies, numpy_eligible, torch_only
-from learn2stop.tasks.classify.policy import ExitPolicy
+from learn2stop.core.policies import ExitPolicy
 
 
 def test_numpy_only_at_inference_on_small_float32_cpu_batches():

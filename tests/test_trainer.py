@@ -335,3 +335,31 @@ def test_the_stage_optimiser_is_the_one_configured():
 def test_weight_average_decay_out_of_range_is_refused(ema):
     with pytest.raises(ConfigError, match=r"ema: must be in \[0, 1\)"):
         StageConfig(objective="stage1", ema=ema)
+
+
+@pytest.mark.parametrize("objective", ["stage1", "stage3"])
+def test_a_stage_leaves_the_weights_the_user_froze_unchanged_and_trains_the_rest(tmp_path, objective):
+    # A pretrained backbone: the user freezes some of the model's weights and trains heads (and the policy) only.
+    sm = make_sm()
+    frozen = [*sm.model.W.parameters(), *sm.model.U[0].parameters()]
+    for p in frozen:
+        p.requires_grad_(False)
+    before = copy.deepcopy(sm.state_dict())
+    cfg = StageConfig(objective=objective, iterations=15, batch_size=16, lr=1e-2, eval_every=15, beta=0.5, select="none")
+    StagedTrainer(sm, ToyTask(), tmp_path, progress=False).fit("s", cfg)
+    after = sm.state_dict()
+    for name in before:
+        same = torch.equal(before[name], after[name])
+        assert same == (name.startswith("model.W.") or name.startswith("model.U.0.")
+                        or (objective == "stage1" and name.startswith("policy."))), name
+    assert [p.requires_grad for p in sm.parameters()] == [not any(p is f for f in frozen) for p in sm.parameters()]
+
+
+def test_a_stage_whose_parameters_are_all_frozen_says_so(tmp_path):
+    sm = make_sm()
+    for p in sm.model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="every one of them is frozen"):
+        StagedTrainer(sm, ToyTask(), tmp_path, progress=False).fit("s", StageConfig(objective="stage1", iterations=2))
+    assert not any(p.requires_grad for p in sm.model.parameters())
+    assert all(p.requires_grad for p in sm.policy.parameters())

@@ -14,6 +14,7 @@ from .loop import Rollout, StepView, run_with_early_exit, unroll
 from .protocols import StepwiseModel
 from .rules import FixedDepth, PolicyRule, StopAtTimes, ToleranceRule, threshold_stop_times
 from .model import StoppingModel
+from .policies import ExitPolicy, StepMLPPolicy, logit_signals, output_signals
 from .calibration import (Calibration, InferenceConfig, calibrate_budget, calibrate_risk, load_calibration,
                           save_calibration)
 from .distributions import exit_costs, log_cost_prior
@@ -42,6 +43,10 @@ __all__ = [
     "StepwiseModel",
     "StopAtTimes",
     "StoppingModel",
+    "ExitPolicy",
+    "StepMLPPolicy",
+    "logit_signals",
+    "output_signals",
     "ToleranceRule",
     "run_with_early_exit",
     "threshold_stop_times",

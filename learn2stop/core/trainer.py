@@ -230,17 +230,29 @@ class StagedTrainer:
             append_jsonl(self.run_dir / "metrics.jsonl", record)  # strict JSON: NaN/inf become null
 
     def _trainable(self, cfg: StageConfig) -> list[nn.Parameter]:
+        """The stage's parameters (those of its trained parts the user has not frozen), the only ones left with
+        ``requires_grad``; the user's own flags come back after the stage (:meth:`_restore_flags`)."""
         parts = [getattr(self.sm, name) for name in TRAINED_PARTS[cfg.trains]]
         if any(p is None for p in parts):
             raise ValueError(f"stage objective {cfg.objective!r} trains the policy, but the StoppingModel has none")
+        self._user_flags = [(p, p.requires_grad) for p in self.sm.parameters()]
+        frozen = {id(p) for p, wants in self._user_flags if not wants}  # frozen by the user: a pretrained backbone
         for p in self.sm.parameters():
             p.requires_grad_(False)
-        params = [p for m in parts for p in m.parameters()]
+        params = [p for m in parts for p in m.parameters() if id(p) not in frozen]
         for p in params:
             p.requires_grad_(True)
         if not params:
-            raise ValueError(f"stage objective {cfg.objective!r} found no parameters to train")
+            self._restore_flags()
+            what = " (every one of them is frozen: requires_grad False)" if frozen else ""
+            raise ValueError(f"stage objective {cfg.objective!r} found no parameters to train in the "
+                             f"{' and '.join(TRAINED_PARTS[cfg.trains])}{what}")
         return params
+
+    def _restore_flags(self) -> None:
+        """Give every parameter back the ``requires_grad`` it had before the stage."""
+        for p, wants in getattr(self, "_user_flags", ()):
+            p.requires_grad_(wants)
 
     def _set_modes(self, cfg: StageConfig) -> None:
         self.sm.model.train(cfg.trains in ("model", "both"))
@@ -259,14 +271,22 @@ class StagedTrainer:
     def fit(self, name: str, cfg: StageConfig) -> dict[str, Any]:
         """Run (or resume, or skip if finished) stage ``name``; leaves the selected weights loaded.
 
-        Returns a summary dict: the stage name, iterations run, best validation score and
-        wall-clock seconds.
+        Parameters the user froze (``requires_grad`` False: a pretrained backbone under trained heads) are not
+        trained and stay frozen after the stage. Returns a summary dict: the stage name, iterations run, best
+        validation score and wall-clock seconds.
         """
         check_stage_name(name)
         if not isinstance(cfg, StageConfig):
             raise TypeError(f"fit: the stage config must be a StageConfig (e.g. StageConfig(objective='stage1', "
                             f"beta=0.1)); got {type(cfg).__name__}")
         cfg = cfg if cfg.resolved else cfg.inherit()
+        self._user_flags = []
+        try:
+            return self._fit(name, cfg)
+        finally:  # also when the stage fails: the parameters the user froze stay frozen, the others trainable
+            self._restore_flags()
+
+    def _fit(self, name: str, cfg: StageConfig) -> dict[str, Any]:
         path, best_path = self.ckpt_dir / f"{name}.pt", self.ckpt_dir / f"{name}_best.pt"
         params = self._trainable(cfg)
         opt = cfg.make_optimizer(params)
@@ -282,8 +302,6 @@ class StagedTrainer:
                     f"use a new run directory or turn resume off")
             self._load_weights(ck, path)
             if ck.get("completed"):
-                for p in self.sm.parameters():
-                    p.requires_grad_(True)
                 return ck["summary"]
             opt.load_state_dict(ck["optimizer"])
             if average is not None:
@@ -387,8 +405,6 @@ class StagedTrainer:
                    "seconds": round(elapsed, 2)}
         flush_denormals_(self.sm)  # what the stage hands on and saves: no subnormal weight to slow a CPU down
         checkpoint(cfg.iterations, completed=True, summary=summary)
-        for p in self.sm.parameters():
-            p.requires_grad_(True)
         return summary
 
     def _diverged(self, name: str, iteration: int, what: str, cfg: StageConfig, saved_at: int | None) -> NonFiniteError:

@@ -27,6 +27,7 @@ from ...core.pipeline import (Stage, StoppingApp, check_config, deployed_model, 
                               served_baseline, stop_model_trace)
 from ...core.rules import SIGNALS, ConfidenceSignal, EntropySignal, PatienceSignal, first_crossing, reads_at_stop_alone
 from ...core.calibration import calibrate_budget
+from ...core.policies import ExitPolicy
 from ...utils.config import ConfigError
 from ...utils.report import markdown_table, write_json
 from ...utils.images import list_image_files
@@ -35,7 +36,6 @@ from ..base import TaskSpec, as_run, register_task, reproduce_pipeline, train_pi
 from .config import PRESETS, SOURCES, ClassifyConfig  # noqa: F401  (the task's public names)
 from .data import ImageDataError, load_image_file
 from .models import build_network, initialise
-from .policy import ExitPolicy
 from .task import ClassifyTask, Images, synthetic_set  # noqa: F401
 
 PAPER_TABLE7 = {"VGG16": 58.60, "SDN training (best IC)": 77.78, "Stage I (oracle exit)": 83.26}
