@@ -433,8 +433,10 @@ def calibrate_risk(scores: Tensor, risk_losses: Tensor, epsilon: float, delta: f
 def save_calibration(cal: Calibration, run_dir: str | Path) -> Path:
     from ..utils.report import write_json
 
+    from ..utils.formats import RUN_FORMAT
+
     path = Path(run_dir) / CALIBRATION_FILE
-    write_json(cal.to_dict(), path)
+    write_json({"format": RUN_FORMAT, **cal.to_dict()}, path)
     return path
 
 
@@ -447,6 +449,12 @@ def load_calibration(run_dir: str | Path) -> Calibration | None:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, OSError) as e:
         raise ConfigError(f"{path} is not a valid calibration file ({e}); calibrate again or delete it") from None
+    if isinstance(data, dict):  # the run format first: a file of another one is not read field by field
+        from ..utils.formats import RUN_FORMAT, format_refusal
+
+        if data.get("format", 0) != RUN_FORMAT:
+            raise ConfigError(format_refusal(str(path), data.get("format", 0)))
+        data = {k: v for k, v in data.items() if k != "format"}
     try:
         return Calibration.from_dict(data, where=str(path))
     except ConfigError as e:
