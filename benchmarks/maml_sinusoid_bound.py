@@ -3,7 +3,7 @@
     python benchmarks/maml_sinusoid_bound.py --run-dir runs/maml-quick      # a trained sinusoid run (reproduce)
     python benchmarks/maml_sinusoid_bound.py --tiny                         # random weights, 20 tasks (the test)
 
-A run with a learned posterior-mean estimate (``model.policy_posterior``, the quick preset's since d02f480) adds the
+A run with a learned posterior-mean estimate (``model.policy_posterior``, the quick preset's) adds the
 rules that read it: the step nearest to it after all T steps, and early stopping that restores the best step so far.
 Where the run answers with the kept step (``model.policy_posterior``) the policy's rows and curves read what it answers
 (their step is the step run); the other rows read the meta-learner's own steps.
