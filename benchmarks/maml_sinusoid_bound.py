@@ -3,9 +3,9 @@
     python benchmarks/maml_sinusoid_bound.py --run-dir runs/maml-quick      # a trained sinusoid run (reproduce)
     python benchmarks/maml_sinusoid_bound.py --tiny                         # random weights, 20 tasks (the test)
 
-A run with a learned posterior-mean estimate (``model.policy_posterior``, the quick preset's since d02f480) adds the
+A run with a learned posterior-mean estimate (``model.policy_posterior``, the quick preset's) adds the
 rules that read it: the step nearest to it after all T steps, and early stopping that restores the best step so far.
-Where the run answers with the kept step (``model.answer: nearest``) the policy's rows and curves read what it answers
+Where the run answers with the kept step (``model.policy_posterior``) the policy's rows and curves read what it answers
 (their step is the step run); the other rows read the meta-learner's own steps.
 
 The MAML-stop table compares the policy with the *oracle step*, which picks each task's step on that task's own 20
@@ -145,7 +145,7 @@ def main(argv=None) -> dict:
                          f"noise {cfg.data.noise}")
     metric, batches, val = APP.metric(cfg), APP.eval_batches(cfg, "test", None), APP.eval_batches(cfg, "val", None)
     big, worst = recovered_tasks(batches, args.query_points, torch.Generator().manual_seed(123))
-    own = meta_learner(sm)  # the meta-learner's own steps; sm.model answers with a kept step (model.answer: nearest)
+    own = meta_learner(sm)  # the meta-learner's own steps; sm.model answers with a kept step (model.policy_posterior)
     observed = collect_trace(own, batches, metric).metric  # (N, T): each task's own 20 query points
     expected = collect_trace(own, big, metric).metric  # (N, T): the task's expected query MSE
     answers = own is not sm.model and sm.model.answering

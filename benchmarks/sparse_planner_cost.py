@@ -46,7 +46,7 @@ def _timed(fn, inner: int) -> float:
 
 
 def _tiny() -> tuple[list[tuple[str, object, float]], torch.nn.Module, torch.Tensor]:
-    """Two 4-step random stop models (one plan from the norms, two plans from the residual) on a 20x40 problem."""
+    """Two 4-step random stop models (one plan, two plans) on a 20x40 problem."""
     from learn2stop.core.model import StoppingModel
     from learn2stop.tasks.sparse.models import LISTA
     from learn2stop.tasks.sparse.policy import SparseDepthPlanner
@@ -55,10 +55,10 @@ def _tiny() -> tuple[list[tuple[str, object, float]], torch.nn.Module, torch.Ten
     A = torch.randn(20, 40, generator=g) / 20 ** 0.5
     lista = LISTA(A, 4).eval()
     one = SparseDepthPlanner(A, 4, hidden=(8,)).eval()
-    two = SparseDepthPlanner(A, 4, hidden=(8,), replan=True, inputs="residual").eval()
+    two = SparseDepthPlanner(A, 4, hidden=(8,), replan=True).eval()
     one.min_step, two.min_step, two.replan_step = 2, 1, 3
-    runs = [("norms, one plan", StoppingModel(lista, one).eval(), 0.5),
-            ("residual, two plans", StoppingModel(lista, two).eval(), 0.5)]
+    runs = [("one plan", StoppingModel(lista, one).eval(), 0.5),
+            ("two plans", StoppingModel(lista, two).eval(), 0.5)]
     return runs, LISTA(A, 4).eval(), torch.randn(64, 20, generator=g)
 
 
@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
             if cal.get("rule") != "price":
                 raise SystemExit(f"{path / 'calibration.json'}: the deployed rule is {cal.get('rule')!r}; this "
                                  "benchmark times the price rule of a planning policy")
-            runs.append((f"{path.name} ({cfg.policy.plan_inputs}, {'two plans' if cfg.policy.replan_mass else 'one plan'})",
+            runs.append((f"{path.name} ({'two plans' if cfg.policy.replan_mass else 'one plan'})",
                          load_stage(APP, cfg, path, "stage2"), cal["threshold"]))
             if i == 0:
                 base, inputs = load_stage(APP, cfg, path, "baseline").model, shuffled(APP.speed_inputs(cfg, None))

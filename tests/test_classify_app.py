@@ -193,7 +193,9 @@ def test_a_run_no_threshold_of_which_keeps_the_baselines_accuracy_deploys_the_ne
     assert pipeline.deploy_calibration(APP, cfg, RunContext(run_dir=run, progress=False)) is not None
     assert (run / "calibration.json").is_file() and not (run / "deployment.json").exists()
     (run / "calibration.json").unlink()
-    (run / "deployment.json").write_text('{"stage": "sdn", "reason": "x"}')
+    from learn2stop.utils.formats import RUN_FORMAT
+
+    (run / "deployment.json").write_text(json.dumps({"format": RUN_FORMAT, "stage": "sdn", "reason": "x"}))
     capsys.readouterr()
     assert main(["classify", "predict", "--run-dir", str(run), "--predict.input", str(img), *TINY]) == 2
     assert "deployment.json" in capsys.readouterr().err

@@ -151,7 +151,9 @@ def test_the_denoise_command_serves_the_baseline_where_the_run_deploys_it(traine
 
     copy = tmp_path / "run"
     shutil.copytree(trained[1].run_dir, copy, ignore=shutil.ignore_patterns(".lock", "calibration.json"))
-    (copy / "deployment.json").write_text(json.dumps({"stage": APP.baseline_stage, "reason": "a test"}))
+    from learn2stop.utils.formats import RUN_FORMAT
+
+    (copy / "deployment.json").write_text(json.dumps({"format": RUN_FORMAT, "stage": APP.baseline_stage, "reason": "a test"}))
     Image.fromarray((np.random.default_rng(0).random((20, 20)) * 255).astype(np.uint8), mode="L").save(tmp_path / "a.png")
     cfg = tiny_cfg()
     cfg.denoise.input, cfg.denoise.output = str(tmp_path / "a.png"), str(tmp_path / "out")

@@ -16,6 +16,7 @@ from learn2stop.cli import main
 from learn2stop.core import InferenceConfig, StageConfig, StagedTrainer, StoppingModel
 from learn2stop.core.calibration import Calibration, active_rule, calibrate_budget, calibrate_risk, load_calibration
 from learn2stop.utils.config import ConfigError
+from learn2stop.utils.formats import RUN_FORMAT
 
 from conftest import ToyPolicy, ToyStepModel, ToyTask
 from test_cli import TINY as SPARSE_TINY
@@ -141,10 +142,27 @@ def test_a_run_of_another_task_is_named(sparse_run, tmp_path, capsys):
     rc, err = run_cli(["maml", "evaluate", "--run-dir", str(run), "--no-progress"], capsys)
     assert rc == 2 and "belongs to task sparse; use 'learn2stop sparse evaluate'" in err
     record = json.loads((run / "fingerprint.json").read_text())
-    assert record.pop("task") == "sparse"  # a run made before the task was recorded: found by its sections
+    assert record.pop("task") == "sparse"  # no owner is guessed: without the record, the settings differ
     (run / "fingerprint.json").write_text(json.dumps(record))
     rc, err = run_cli(["denoise", "calibrate", "--budget", "0.5", "--run-dir", str(run), "--no-progress"], capsys)
-    assert rc == 2 and "belongs to task sparse" in err
+    assert rc == 2 and "was trained with" in err and "belongs to task" not in err
+
+
+def test_a_run_of_another_run_format_is_refused_by_every_command_in_one_line(sparse_run, tmp_path, capsys):
+    """A run written before the run format was recorded (or in another one) is refused, training or reading, with
+    one line naming the format it was made with and the one this library reads; nothing is written into it."""
+    run = _copy(sparse_run, tmp_path)
+    record = json.loads((run / "fingerprint.json").read_text())
+    del record["format"]
+    (run / "fingerprint.json").write_text(json.dumps(record))
+    before = sorted(p.name for p in run.iterdir())
+    for command in (["evaluate"], ["train"], ["calibrate", "--budget", "0.5"]):
+        rc, err = run_cli(["sparse", *command, "--run-dir", str(run), *SPARSE], capsys)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert rc == 2 and len(lines) == 1, (command, err)
+        assert (f"run directory {run} was written by learn2stop run format 0 (none recorded); this learn2stop reads "
+                f"format {RUN_FORMAT}: re-run it") in lines[0]
+    assert sorted(p.name for p in run.iterdir()) == before
 
 
 def test_a_refused_reader_writes_no_config_record(sparse_run, tmp_path, capsys):
@@ -154,7 +172,8 @@ def test_a_refused_reader_writes_no_config_record(sparse_run, tmp_path, capsys):
     rc, err = run_cli(["sparse", "frontier", "--no-speed", "--run-dir", str(run), *SPARSE], capsys)
     assert rc == 2 and "no finished stage 'stage2'" in err
     assert sorted(p.name for p in run.iterdir()) == before  # no config.frontier.yaml
-    (run / "calibration.json").write_text(json.dumps({"rule": "quantile", "param": 7, "threshold": 7, "target": {}}))
+    (run / "calibration.json").write_text(json.dumps({"format": RUN_FORMAT, "rule": "quantile", "param": 7, "threshold": 7,
+                                                      "target": {}}))
     shutil.copy(sparse_run / "checkpoints" / "stage2.pt", run / "checkpoints" / "stage2.pt")
     rc, err = run_cli(["sparse", "evaluate", "--run-dir", str(run), *SPARSE], capsys)
     assert rc == 2 and "calibration.json: param: the quantile rule's parameter must be in (0, 1]" in err and "got 7.0" in err
@@ -168,8 +187,16 @@ def test_a_refused_reader_writes_no_config_record(sparse_run, tmp_path, capsys):
     ({"rule": "quantile", "threshold": 0.5, "target": {}, "extra": 1}, r"calibration\.json: unknown field\(s\) extra"),
     ([1, 2], r"calibration\.json: expected a JSON object"),
     ({"rule": "patience", "param": 0.5, "threshold": 0.5, "target": {}}, r"patience rule's parameter must be an integer"),
+    ({"format": None, "rule": "quantile", "threshold": 0.5, "target": {}},
+     r"calibration\.json was written by learn2stop run format 0 \(none recorded\); this learn2stop reads format \d+: re-run"),
+    ({"format": RUN_FORMAT + 1, "rule": "quantile", "threshold": 0.5, "target": {}},
+     rf"calibration\.json was written by learn2stop run format {RUN_FORMAT + 1}; this learn2stop reads format {RUN_FORMAT}"),
 ])
 def test_a_bad_calibration_file_is_named(content, message, tmp_path):
+    if isinstance(content, dict) and "format" not in content:
+        content = {"format": RUN_FORMAT, **content}
+    elif isinstance(content, dict) and content["format"] is None:
+        content = {k: v for k, v in content.items() if k != "format"}  # as written before the format was recorded
     (tmp_path / "calibration.json").write_text(json.dumps(content))
     with pytest.raises(ConfigError, match=message):
         load_calibration(tmp_path)

@@ -14,10 +14,10 @@ import torch
 
 from learn2stop.utils import rundir
 from learn2stop.utils.checkpoint import clean_stale_temp_files, load_checkpoint, save_checkpoint
+from learn2stop.utils.formats import RUN_FORMAT
 from learn2stop.utils.report import append_jsonl, write_json, write_text_atomic
 from learn2stop.utils.rundir import (ABSENT, RunDirError, RunLock, check_fingerprint, diff_fields, fingerprint,
-                                     move_aside, prepare_run_dir, read_fingerprint, truncate_metrics, with_earlier_values,
-                                     write_fingerprint)
+                                     move_aside, prepare_run_dir, read_fingerprint, truncate_metrics, write_fingerprint)
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
@@ -153,19 +153,45 @@ def test_fingerprint_mismatch_shows_five_fields_then_a_count(tmp_path):
     assert "f5" not in str(e.value) and "(and 3 more field(s))" in str(e.value)
 
 
-def test_a_field_added_with_a_new_default_is_read_at_its_earlier_value_in_older_runs(tmp_path):
-    """A run whose fingerprint predates a field was trained at the field's earlier value: asking for another (the
-    new default) is refused naming both values, asking for the earlier one passes, and the stored file is kept."""
+def test_a_run_of_another_run_format_is_refused_in_one_line_naming_both_formats(tmp_path):
+    """fingerprint.json records the run format; a run with none recorded, or another one, is refused by every reader
+    of the fingerprint with one line naming the format it was written in and the one this library reads."""
+
     write_fingerprint(tmp_path, FP)
-    earlier = {"policy.plan_inputs": "residual"}
-    new = {**FP, "policy": {"plan_inputs": "norms"}}
-    with pytest.raises(RunDirError, match=r'trained with policy\.plan_inputs="residual"; this \'frontier\' command '
-                                          r'asks for policy\.plan_inputs="norms"'):
-        check_fingerprint(tmp_path, new, "frontier", earlier)
-    assert check_fingerprint(tmp_path, {**FP, "policy": {"plan_inputs": "residual"}}, "frontier", earlier) is True
-    assert read_fingerprint(tmp_path) == FP
-    assert with_earlier_values({"policy": {"plan_inputs": "norms"}}, earlier) == {"policy": {"plan_inputs": "norms"}}
-    assert with_earlier_values(None, earlier) is None
+    stored = json.loads((tmp_path / "fingerprint.json").read_text())
+    assert stored["format"] == RUN_FORMAT and read_fingerprint(tmp_path) == FP
+    del stored["format"]  # as every run written before the format was recorded
+    (tmp_path / "fingerprint.json").write_text(json.dumps(stored))
+    want = (f"run directory {tmp_path} was written by learn2stop run format 0 (none recorded); this learn2stop reads "
+            f"format {RUN_FORMAT}: re-run it")
+    for read in (read_fingerprint, lambda d: check_fingerprint(d, FP), lambda d: rundir.fingerprint_task(d)):
+        with pytest.raises(RunDirError) as e:
+            read(tmp_path)
+        assert str(e.value).startswith(want) and "\n" not in str(e.value)
+    stored["format"] = RUN_FORMAT + 1
+    (tmp_path / "fingerprint.json").write_text(json.dumps(stored))
+    with pytest.raises(RunDirError, match=rf"written by learn2stop run format {RUN_FORMAT + 1}; this learn2stop reads "
+                                          rf"format {RUN_FORMAT}: re-run it"):
+        read_fingerprint(tmp_path)
+
+
+def test_a_checkpoint_of_another_run_format_is_refused_in_one_line_naming_both_formats(tmp_path):
+    """A checkpoint records the run format; one with none, or another, is refused naming both (no reader of older
+    checkpoints guesses what they meant)."""
+    from learn2stop.utils.checkpoint import CheckpointError
+
+    path = tmp_path / "stage1.pt"
+    save_checkpoint({"weights": {"w": torch.ones(2)}}, path)
+    assert load_checkpoint(path)["version"] == RUN_FORMAT
+    for made, shown in ((None, "0 (none recorded)"), (RUN_FORMAT - 1, str(RUN_FORMAT - 1)), (RUN_FORMAT + 1, str(RUN_FORMAT + 1))):
+        data = {"format": "learn2stop-checkpoint", "weights": {"w": torch.ones(2)}}
+        if made is not None:
+            data["version"] = made
+        torch.save(data, path)
+        with pytest.raises(CheckpointError) as e:
+            load_checkpoint(path)
+        assert str(e.value) == (f"checkpoint {path} was written by learn2stop run format {shown}; this learn2stop reads "
+                                f"format {RUN_FORMAT}: re-run it (train into a new --run-dir)")
 
 
 def test_fingerprint_is_written_once_and_never_overwritten(tmp_path):
@@ -367,9 +393,10 @@ def test_a_reading_command_finds_moved_data_a_training_command_does_not(tmp_path
         refused.close()  # as the command line does after a refusal
 
 
-def test_a_field_added_since_training_is_accepted_at_its_default_only(tmp_path):
-    """A run trained before a field existed (its fingerprint lacks it) stays usable while the field is at its
-    default, the behaviour it was trained with; another value is refused, naming the field."""
+def test_a_field_the_fingerprint_lacks_is_refused_at_its_default_too(tmp_path):
+    """A run's fingerprint holds every field its library had; a config with a field it lacks is another
+    configuration, refused naming the field even at the field's default (no field is guessed for an older run:
+    those are refused by their run format). A run of another run format is refused by every command, in one line."""
     from dataclasses import dataclass, field
 
     from learn2stop.tasks.base import RunContext
@@ -377,7 +404,7 @@ def test_a_field_added_since_training_is_accepted_at_its_default_only(tmp_path):
     @dataclass
     class Stage:
         lr: float = 0.1
-        ema: float = 0.0  # "added since"
+        ema: float = 0.0
 
     @dataclass
     class Cfg:
@@ -386,13 +413,21 @@ def test_a_field_added_since_training_is_accepted_at_its_default_only(tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     torch.save({}, run_dir / "checkpoints" / "stage1.pt")
-    write_fingerprint(run_dir, {"stage": {"lr": 0.1}})  # written before `ema` existed
+    write_fingerprint(run_dir, {"stage": {"lr": 0.1}})
     for command in ("train", "evaluate"):
-        ok = RunContext(run_dir=run_dir, progress=False)
-        ok.prepare(Cfg(), command)
-        ok.close()
-    refused = RunContext(run_dir=run_dir, progress=False)
-    with pytest.raises(RunDirError, match=r"was trained with stage\.ema=<absent>; .* asks for stage\.ema=0\.5"):
-        refused.prepare(Cfg(stage=Stage(ema=0.5)), "evaluate")
-    refused.close()
+        refused = RunContext(run_dir=run_dir, progress=False)
+        with pytest.raises(RunDirError, match=r"was trained with stage\.ema=<absent>; .* asks for stage\.ema=0\.0"):
+            refused.prepare(Cfg(), command)
+        refused.close()
+    stored = json.loads((run_dir / "fingerprint.json").read_text())
+    del stored["format"]
+    (run_dir / "fingerprint.json").write_text(json.dumps(stored))
+    for command in ("train", "evaluate"):
+        refused = RunContext(run_dir=run_dir, progress=False)
+        with pytest.raises(RunDirError, match=r"^run directory .* was written by learn2stop run format 0 \(none recorded\); "
+                                              r"this learn2stop reads format \d+: re-run it"):
+            refused.prepare(Cfg(), command)
+        refused.close()
+    stored["format"] = RUN_FORMAT
+    (run_dir / "fingerprint.json").write_text(json.dumps(stored))
     assert read_fingerprint(run_dir) == {"stage": {"lr": 0.1}}  # never rewritten

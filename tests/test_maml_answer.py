@@ -1,4 +1,4 @@
-"""MAML-stop's kept answer (``model.answer: nearest``): each step keeps, per task, the prediction of the step so far
+"""MAML-stop's kept answer (with ``model.policy_posterior``): each step keeps, per task, the prediction of the step so far
 nearest the posterior-mean estimate; a stop answers with it. Also the estimate's own stage (objective ``auxiliary``)
 and the task's classical rules built with the part of the output they read."""
 import dataclasses
@@ -55,7 +55,7 @@ def test_the_answer_is_the_best_step_so_far_by_the_score():
 
 @pytest.mark.parametrize("batching", ["vmap", "loop"])
 def test_the_policy_can_read_the_support_loss_its_step_was_taken_of_without_a_support_forward(batching, monkeypatch):
-    """``support_loss_from_step`` (``model.policy_support_loss: step``): the support loss read at step t is the one the
+    """``support_loss_from_step`` (with ``model.policy_inputs: scalars``): the support loss read at step t is the one the
     step's inner gradient was taken of, i.e. the support loss of step t-1's weights, read without a support-set
     forward; the steps themselves, and so the answers, are the same."""
     sm = answering()
@@ -168,26 +168,33 @@ def test_the_auxiliary_objective_trains_the_estimate_alone_and_improves_it():
         StageObjective(plain, plain.model.task_loss, StageConfig(objective="auxiliary"))(*sinusoids())
 
 
-def test_config_names_the_field():
-    with pytest.raises(ConfigError, match="model.answer"):
-        preset("quick", model={"answer": "nearest", "policy_posterior": False})  # without the estimate
-    with pytest.raises(ConfigError, match="model.answer"):
-        preset("quick", model={"answer": "best", "policy_posterior": True})
+def test_the_estimate_brings_the_kept_answer_and_the_support_loss_follows_what_the_policy_reads():
+    """``model.policy_posterior`` builds the estimate and the kept answer it chooses (its stage, its patience rule);
+    with ``policy_inputs: scalars`` the policy reads the support loss its step was taken of. The fields that
+    set these apart (``answer``, ``policy_support_loss``) are gone, refused by name."""
+    for gone in ({"answer": "nearest"}, {"policy_support_loss": "step"}):
+        with pytest.raises(ConfigError, match=f"model.{next(iter(gone))}: unknown config field"):
+            preset("quick", model=gone)
     with pytest.raises(ConfigError, match="posterior.objective"):
         preset("quick", posterior={"objective": "stage2", "variant": "map"})
-    cfg = preset("quick", model={"answer": "nearest", "policy_posterior": True})
+    cfg = preset("quick")
     assert [s.name for s in APP.stages(cfg)] == ["baseline", "stage1", "posterior", "stage2"]
-    assert [s.name for s in APP.stages(preset("quick", model={"answer": "last", "policy_posterior": False,
-                                                              "policy_support_loss": "readout"}))] == [
+    assert [s.name for s in APP.stages(preset("quick", model={"policy_posterior": False}))] == [
         "baseline", "stage1", "stage2"]
-    assert isinstance(build(cfg, None)[1].model, AnsweringMAML) and set(APP.classical_signals(cfg)) == {
-        "tolerance", "patience"}
+    stop = build(cfg, None)[1]
+    assert isinstance(stop.model, AnsweringMAML) and stop.model.support_loss_from_step and stop.policy.answer
+    assert set(APP.classical_signals(cfg)) == {"tolerance", "patience"}
+    joint = build(preset("quick", model={"policy_inputs": "joint"}), None)[1]
+    assert isinstance(joint.model, AnsweringMAML) and not joint.model.support_loss_from_step  # the sets need the readout
+    plain = build(preset("quick", model={"policy_posterior": False}), None)[1]
+    assert type(plain.model) is MAMLModel and not plain.policy.answer
+    assert set(APP.classical_signals(preset("quick", model={"policy_posterior": False}))) == {"tolerance"}
 
 
 TINY = ["--maml.iterations", "4", "--stage1.iterations", "4", "--stage2.iterations", "4", "--posterior.iterations", "40",
         "--posterior.eval_every", "40", "--maml.batch_size", "3", "--stage1.batch_size", "3", "--stage2.batch_size", "3",
         "--eval.tasks", "12", "--eval.val_tasks", "6", "--eval.chunk", "6", "--no-progress", "--model.inner_steps", "4",
-        "--model.policy_posterior", "true", "--model.answer", "nearest"]
+        "--model.policy_posterior", "true"]
 
 
 def test_a_run_answers_from_stage2_on_and_rules_read_their_part_of_the_output(tmp_path):

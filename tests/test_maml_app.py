@@ -30,8 +30,9 @@ def test_registered_with_presets():
     ({"data": {"source": "cifar"}}, "data.source"),
     ({"model": {"inner_lr": -1.0}}, "model.inner_lr"),
     ({"model": {"inner_grad_clip": -1.0}}, "model.inner_grad_clip"),
-    ({"model": {"policy_support_loss": "gradient"}}, "model.policy_support_loss"),
-    ({"model": {"policy_support_loss": "step"}}, "model.policy_support_loss"),  # the paper's policy reads the sets
+    ({"model": {"policy_support_loss": "step"}}, "model.policy_support_loss: unknown"),  # follows policy_inputs
+    ({"model": {"answer": "nearest"}}, "model.answer: unknown"),  # follows policy_posterior
+    ({"model": {"policy_inputs": "separate"}}, "model.policy_inputs"),
     ({"model": {"network": "mlp"}}, "model.network"),
     ({"stage1": {"objective": "stage2", "variant": "map"}}, "stage1.objective"),
     ({"eval": {"tasks": 0}}, "eval.tasks"),

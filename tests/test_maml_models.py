@@ -170,8 +170,7 @@ def test_policy_runs_on_maml_outputs_and_needs_features():
 @pytest.mark.parametrize("classification", [False, True])
 def test_the_joint_policy_reads_each_support_element_with_its_fit(classification):
     """The default policy embeds each support element's features with its target, prediction and residual: pairing
-    the fits with other elements' features changes its logit, and the separate policy (the release's: residuals
-    alone) cannot tell. A masked (padding) element changes neither."""
+    the fits with other elements' features changes its logit. A masked (padding) element does not."""
     g = torch.Generator().manual_seed(0)
     B, S, Q, D, C = 3, 5, 4, 6, (4 if classification else 1)
     y = torch.randint(0, C, (B, S), generator=g) if classification else torch.randn(B, S, 1, generator=g)
@@ -180,48 +179,27 @@ def test_the_joint_policy_reads_each_support_element_with_its_fit(classification
               "query_feats": torch.randn(B, Q, D, generator=g), "pred": torch.randn(B, Q, C, generator=g),
               "support_loss": torch.rand(B, generator=g)}
     torch.manual_seed(0)
-    joint, separate = MAMLStopPolicy(D, C, 4, classification), MAMLStopPolicy(D, C, 4, classification, inputs="separate")
+    joint = MAMLStopPolicy(D, C, 4, classification)
     assert joint.inputs == "joint"
     shift = [1, 2, 0, 3, 4]  # the first three support elements' fits move to other elements' features
     moved = {**output, "support_pred": output["support_pred"][:, shift]}
     moved_inputs = {**inputs, "support_y": y[:, shift]}
-    for policy in (joint, separate):
-        with torch.no_grad():
-            a, b = policy(inputs, output, 2), policy(moved_inputs, moved, 2)
-        assert a.shape == (B,)
-        assert (not torch.allclose(a, b)) if policy is joint else torch.allclose(a, b, atol=1e-6)
+    with torch.no_grad():
+        a, b = joint(inputs, output, 2), joint(moved_inputs, moved, 2)
+    assert a.shape == (B,) and not torch.allclose(a, b)
     padded = {**output, "support_feats": output["support_feats"].clone()}
     padded["support_feats"][2, 3:] = 100.0
     with torch.no_grad():
         torch.testing.assert_close(joint(inputs, padded, 2), joint(inputs, output, 2))
-    with pytest.raises(ValueError, match="inputs must be one of"):
-        MAMLStopPolicy(D, C, 4, classification, inputs="both")
+    for gone in ("both", "separate"):  # the release's separate sets are not built
+        with pytest.raises(ValueError, match="inputs must be one of joint, scalars"):
+            MAMLStopPolicy(D, C, 4, classification, inputs=gone)
 
 
-def test_a_separate_policy_checkpoint_loads_as_it_was_trained():
-    """A checkpoint of the separate policy (every MAML-stop run before the joint one) loads into the default-built
-    policy, which takes its shapes and gives its logits; a joint checkpoint loads back as joint."""
-    g = torch.Generator().manual_seed(1)
-    inputs = {"support_y": torch.randn(2, 3, 1, generator=g), "support_mask": torch.ones(2, 3), "shots": torch.tensor([3, 3])}
-    output = {"support_pred": torch.randn(2, 3, 1, generator=g), "support_feats": torch.randn(2, 3, 8, generator=g),
-              "query_feats": torch.randn(2, 5, 8, generator=g), "pred": torch.randn(2, 5, 1, generator=g),
-              "support_loss": torch.rand(2, generator=g)}
-    old = MAMLStopPolicy(8, 1, 5, classification=False, inputs="separate")
-    loaded = MAMLStopPolicy(8, 1, 5, classification=False)
-    loaded.load_state_dict(old.state_dict())
-    assert loaded.inputs == "separate"
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(inputs, output, 1), old(inputs, output, 1))
-    joint = MAMLStopPolicy(8, 1, 5, classification=False)
-    loaded.load_state_dict(joint.state_dict())
-    assert loaded.inputs == "joint"
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(inputs, output, 1), joint(inputs, output, 1))
-
-
-def test_a_scalars_policy_reads_its_scalars_alone_and_its_checkpoint_loads_as_scalars():
+def test_a_scalars_policy_reads_its_scalars_alone():
     """``inputs="scalars"`` (the quick preset's): no set embedding, so the support and query sets cannot move its logit,
-    and only the support loss is needed from the readout; its checkpoint loads into a joint-built policy as scalars."""
+    and only the support loss is needed from the readout; its checkpoint loads into a scalars policy, and a
+    joint-built policy refuses it (the config says what a policy reads; a checkpoint does not rebuild it)."""
     g = torch.Generator().manual_seed(2)
     inputs = {"support_y": torch.randn(2, 3, 1, generator=g), "support_mask": torch.ones(2, 3), "shots": torch.tensor([3, 7])}
     output = {"support_pred": torch.randn(2, 3, 1, generator=g), "support_feats": torch.randn(2, 3, 8, generator=g),
@@ -238,11 +216,12 @@ def test_a_scalars_policy_reads_its_scalars_alone_and_its_checkpoint_loads_as_sc
         torch.testing.assert_close(scalars(inputs, only_loss, 2), a)
         torch.testing.assert_close(scalars(inputs, moved, 2), a)
         assert not torch.allclose(scalars(inputs, {**output, "support_loss": output["support_loss"] + 1}, 2), a)
-    loaded = MAMLStopPolicy(8, 1, 5, classification=False)
+    loaded = MAMLStopPolicy(8, 1, 5, classification=False, inputs="scalars")
     loaded.load_state_dict(scalars.state_dict())
-    assert loaded.inputs == "scalars" and loaded.support_set is None
     with torch.no_grad():
         torch.testing.assert_close(loaded(inputs, output, 2), a)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        MAMLStopPolicy(8, 1, 5, classification=False).load_state_dict(scalars.state_dict())
     with pytest.raises(ValueError, match="support features"):
         MAMLStopPolicy(8, 1, 5, classification=False)(inputs, only_loss, 2)
 

@@ -126,7 +126,7 @@ def test_a_checkpoint_loads_only_into_the_policy_it_was_trained_as():
 
 def test_the_option_is_for_regression_and_named_when_misused():
     assert preset("quick").model.policy_posterior and not preset("paper").model.policy_posterior  # on for sinusoids
-    off = preset("quick", model={"policy_posterior": False, "answer": "last", "policy_support_loss": "readout"})
+    off = preset("quick", model={"policy_posterior": False})
     assert build(preset("quick"), None)[1].policy.posterior is not None
     assert build(off, None)[1].policy.posterior is None
     with pytest.raises(ConfigError, match="policy_posterior"):

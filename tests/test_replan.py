@@ -269,8 +269,9 @@ def test_the_sparse_planners_second_head_reads_the_last_move():
     assert again.replan_step == 5
     with pytest.raises(ValueError, match="has no second head"):
         SparseDepthPlanner(A, 8, hidden=(5,)).load_state_dict(planner.state_dict(), strict=False)
-    assert set(SparseDepthPlanner(A, 8, inputs="residual").state_dict()) == {
-        "A", "_extra_state", "net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias", "net.4.weight", "net.4.bias"}
+    assert set(SparseDepthPlanner(A, 8).state_dict()) == {  # one plan: no second head, and no copy of A
+        "_extra_state", "net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias", "net.4.weight", "net.4.bias",
+        "plan_norm.running_mean", "plan_norm.running_var", "plan_norm.num_batches_tracked"}
 
 
 @pytest.mark.parametrize("price", [-1.0, 0.0, 1.0])

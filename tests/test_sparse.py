@@ -160,8 +160,8 @@ def test_two_stage_training_beats_deep_supervision_baseline_on_tiny_problem(tmp_
 
 
 def test_the_depth_planner_features_are_the_documented_statistics():
-    """The planner's few-operation features equal their written-out definitions (both input sets), and its
-    functional head equals the modules' own forward, at inference and in training."""
+    """The planner's few-operation features equal their written-out definitions, and its functional head (ReLU)
+    equals the modules' own forward, at inference and in training."""
     from learn2stop.tasks.sparse.policy import SparseDepthPlanner
 
     g = torch.Generator().manual_seed(0)
@@ -170,17 +170,8 @@ def test_the_depth_planner_features_are_the_documented_statistics():
     x = torch.randn(5, 20, generator=g) * (torch.rand(5, 20, generator=g) < 0.3)
     support = (x != 0).float().mean(1, keepdim=True)
 
-    residual = SparseDepthPlanner(A, num_steps=6, hidden=(16,), inputs="residual")
-    r = y - x @ A.T
-    g_ = r @ A
-    logs = torch.log(torch.stack([y.norm(dim=1), r.norm(dim=1), g_.norm(dim=1), x.abs().sum(1), x.norm(dim=1)], 1) + 1e-6)
-    expected = torch.cat([logs, (logs[:, 1] - logs[:, 0])[:, None], (logs[:, 2] - logs[:, 4])[:, None], support], dim=1)
-    torch.testing.assert_close(residual.extract(y, x), expected)
-    torch.testing.assert_close(residual.plan_log_q(y, x, 1), torch.log_softmax(residual.net(expected), dim=1))
-    assert "_minus" not in residual.state_dict()  # a constant, not state: checkpoints are unchanged
-
-    norms = SparseDepthPlanner(A, num_steps=6, hidden=(16,))  # the default: no product with A
-    assert norms.inputs == "norms" and "A" not in norms.state_dict()
+    norms = SparseDepthPlanner(A, num_steps=6, hidden=(16,))  # no product with A
+    assert "A" not in norms.state_dict() and isinstance(norms.net[1], torch.nn.ReLU)
     expected = torch.cat([torch.log(torch.stack([x.abs().sum(1), x.norm(dim=1), y.norm(dim=1)], 1) + 1e-6), support], 1)
     torch.testing.assert_close(norms.extract(y, x), expected)
     norms.train()
@@ -189,8 +180,6 @@ def test_the_depth_planner_features_are_the_documented_statistics():
     norms.eval()
     standard = (expected - norms.plan_norm.running_mean) / (norms.plan_norm.running_var + norms.plan_norm.eps).sqrt()
     torch.testing.assert_close(norms.plan_log_q(y, x, 1), torch.log_softmax(norms.net(standard), 1))  # ... and uses them
-    with pytest.raises(ValueError, match="inputs must be one of"):
-        SparseDepthPlanner(A, 6, inputs="sketch")
 
 
 def test_support_size_counts_exactly_what_count_nonzero_counts():
@@ -207,42 +196,3 @@ def test_support_size_counts_exactly_what_count_nonzero_counts():
         assert torch.equal(got, torch.count_nonzero(x, dim=1).to(dtype))
         assert torch.equal(support_size(x.to(dtype), x.to(dtype).abs()), got)  # from |x|, where the caller has it
     assert support_size(x)[0] == int((x[0] != 0).sum()) and x[0, 0] == 0 and x[0, 1] != 0
-
-
-def test_a_planner_checkpoint_names_the_statistics_it_was_trained_on():
-    """A checkpoint of the residual planner (made before the norms existed, so without the key) refuses to load
-    into a norms planner, naming the config field; into a residual planner it loads."""
-    from learn2stop.tasks.sparse.policy import SparseDepthPlanner
-
-    A = torch.randn(6, 12)
-    old = SparseDepthPlanner(A, 8, hidden=(5,), inputs="residual").state_dict()
-    old["_extra_state"].pop("inputs")  # as written until 2026-11-27
-    with pytest.raises(ValueError, match="set policy.plan_inputs residual"):
-        SparseDepthPlanner(A, 8, hidden=(5,)).load_state_dict(old)
-    SparseDepthPlanner(A, 8, hidden=(5,), inputs="residual").load_state_dict(old)
-    with pytest.raises(ValueError, match="set policy.plan_inputs norms"):
-        SparseDepthPlanner(A, 8, hidden=(5,), inputs="residual").load_state_dict(SparseDepthPlanner(A, 8, hidden=(5,)).state_dict())
-
-
-def test_a_planner_checkpoint_carries_its_activation():
-    """New planners use ReLU; a checkpoint without the key (the ELU planners until 2026-11-27) loads as ELU, and the
-    planner then plans as the ELU network it was trained as (its functional head and its modules agree)."""
-    from learn2stop.tasks.sparse.policy import SparseDepthPlanner
-
-    torch.manual_seed(3)
-    A, y, x = torch.randn(6, 12), torch.randn(4, 6), torch.randn(4, 12)
-    elu = SparseDepthPlanner(A, 8, hidden=(5, 5), activation="elu").eval()
-    old = elu.state_dict()
-    old["_extra_state"].pop("activation")
-    fresh = SparseDepthPlanner(A, 8, hidden=(5, 5)).eval()
-    assert fresh.activation == "relu" and isinstance(fresh.net[1], torch.nn.ReLU)
-    fresh.load_state_dict(old)
-    assert fresh.activation == "elu" and isinstance(fresh.net[1], torch.nn.ELU)
-    torch.testing.assert_close(fresh.plan_log_q(y, x, 1), elu.plan_log_q(y, x, 1))
-    relu = SparseDepthPlanner(A, 8, hidden=(5, 5)).eval()
-    relu.load_state_dict(elu.state_dict() | {"_extra_state": {**elu.state_dict()["_extra_state"], "activation": "relu"}})
-    assert not torch.allclose(relu.plan_log_q(y, x, 1), elu.plan_log_q(y, x, 1))  # the activation is what differs
-    standard = F.batch_norm(relu.extract(y, x), relu.plan_norm.running_mean, relu.plan_norm.running_var)
-    torch.testing.assert_close(relu.plan_log_q(y, x, 1), torch.log_softmax(relu.net(standard), 1))
-    with pytest.raises(ValueError, match="activation must be one of"):
-        SparseDepthPlanner(A, 8, activation="tanh")

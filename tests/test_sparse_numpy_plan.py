@@ -14,12 +14,12 @@ from learn2stop.tasks.sparse.policy import SparseDepthPlanner, _state_norms, _st
 T, S1, S2 = 12, 3, 7
 
 
-def _planner(activation="relu", seed=0):
+def _planner(seed=0):
     """A planner with both heads, its standardisation gathered from a few training batches of sparse states."""
     torch.manual_seed(seed)  # the heads' initial weights
     g = torch.Generator().manual_seed(seed)
     A = torch.randn(10, 20, generator=g) / 10 ** 0.5
-    planner = SparseDepthPlanner(A, T, hidden=(16, 16), replan=True, activation=activation)
+    planner = SparseDepthPlanner(A, T, hidden=(16, 16), replan=True)
     planner.min_step, planner.replan_step = S1, S2
     with torch.no_grad():
         for _ in range(3):
@@ -46,10 +46,9 @@ def _both(planner, y, x, prev, threshold):
     return fast, slow
 
 
-@pytest.mark.parametrize("activation", ["relu", "elu"])
 @pytest.mark.parametrize("batch", [1, 5])
-def test_numpy_plans_stop_where_the_torch_plans_do(activation, batch):
-    _, planner = _planner(activation)
+def test_numpy_plans_stop_where_the_torch_plans_do(batch):
+    _, planner = _planner()
     g = torch.Generator().manual_seed(1)
     seen = set()
     for _ in range(10):
@@ -117,8 +116,6 @@ def test_torch_plans_where_numpy_does_not_apply():
         planner.train()
         assert planner.priced_plan(y[:2], x[:2], S1, 0.0) is None
         planner.eval()
-        residual = SparseDepthPlanner(A, T, inputs="residual").eval()
-        assert residual.priced_plan(y[:2], x[:2], 1, 0.0) is None
     assert planner.priced_plan(y[:2], x[:2], S1, 0.0) is None  # gradients on
     with torch.inference_mode():  # weights made under inference_mode keep no version to check a copy against
         made = SparseDepthPlanner(A, T, hidden=(8,)).eval()

@@ -426,9 +426,9 @@ def calibrate_risk(scores: Tensor, risk_losses: Tensor, epsilon: float, delta: f
 
 # ----------------------------------------------------------------------------- persistence
 def calibration_mismatch(path: Path) -> str | None:
-    """Why ``path`` is not a calibration of ours (None: it is one, field by field)."""
+    """Why ``path`` is not a calibration of ours (None: it is one, of this run format, field by field)."""
     try:
-        Calibration.from_dict(json.loads(path.read_text(encoding="utf-8")), where=str(path))
+        read_calibration(path)
     except (OSError, UnicodeDecodeError, ValueError) as e:  # ConfigError is a ValueError
         return str(e) if isinstance(e, ConfigError) else "not valid JSON"
     return None
@@ -443,30 +443,41 @@ def check_calibration_replace(run_dir: str | Path) -> None:
 
 
 def save_calibration(cal: Calibration, run_dir: str | Path) -> Path:
-    """Write ``cal`` as the run's ``calibration.json`` (atomic); one it replaces is kept in
+    """Write ``cal`` as the run's ``calibration.json`` (atomic, with the run format); one it replaces is kept in
     ``calibration.previous.json`` first (an older one there only replaced if it is a calibration too)."""
+    from ..utils.formats import RUN_FORMAT
     from ..utils.outputs import keep_previous_file
     from ..utils.report import write_json
 
     path = Path(run_dir) / CALIBRATION_FILE
     keep_previous_file(path, calibration_mismatch, "calibration")
-    write_json(cal.to_dict(), path)
+    write_json({"format": RUN_FORMAT, **cal.to_dict()}, path)
     return path
 
 
-def load_calibration(run_dir: str | Path) -> Calibration | None:
-    """The run's ``calibration.json``, checked field by field (None if there is none)."""
-    path = Path(run_dir) / CALIBRATION_FILE
-    if not path.is_file():
-        return None
+def read_calibration(path: Path) -> Calibration:
+    """A calibration file, checked: its run format first (a file of another one is not read field by field), then
+    field by field."""
+    from ..utils.formats import RUN_FORMAT, format_refusal
+
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, OSError) as e:
         raise ConfigError(f"{path} is not a valid calibration file ({e}); calibrate again or delete it") from None
+    if isinstance(data, dict):
+        if data.get("format", 0) != RUN_FORMAT:
+            raise ConfigError(format_refusal(str(path), data.get("format", 0)))
+        data = {k: v for k, v in data.items() if k != "format"}
     try:
         return Calibration.from_dict(data, where=str(path))
     except ConfigError as e:
         raise ConfigError(f"{e}; calibrate again or delete the file") from None
+
+
+def load_calibration(run_dir: str | Path) -> Calibration | None:
+    """The run's ``calibration.json``, checked (:func:`read_calibration`; None if there is none)."""
+    path = Path(run_dir) / CALIBRATION_FILE
+    return read_calibration(path) if path.is_file() else None
 
 
 def active_rule(inference: InferenceConfig, run_dir: str | Path | None, policy=None, key=None,

@@ -25,6 +25,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from ..runtime.registry import get_rule, list_rules
+from ..utils.formats import RUN_FORMAT, format_refusal
 from ..utils.config import ConfigError
 from ..utils.distributed import DistContext
 from ..utils.outputs import previous_path
@@ -608,7 +609,8 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
         reason = why or (f"no threshold of the stop model's {rule} rule, and no fixed depth, reaches {reference} on "
                          f"validation (full-depth lead {lead:.4g})")
         if run.ctx.is_main:
-            write_json({"stage": app.baseline_stage, "reason": reason}, Path(run.run_dir) / DEPLOYMENT_FILE)
+            write_json({"format": RUN_FORMAT, "stage": app.baseline_stage, "reason": reason},
+                       Path(run.run_dir) / DEPLOYMENT_FILE)
         run.log(f"deployed: {app.baseline_label} at full depth, as {reason}; the stop model keeps the configured "
                 f"{app.inference(cfg).rule} rule")
         return None
@@ -918,8 +920,12 @@ def served_baseline(app: StoppingApp, cfg: Any, run_dir) -> str | None:
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("format", 0) != RUN_FORMAT:
+            raise ConfigError(format_refusal(str(path), data.get("format", 0)))
         stage, reason = data["stage"], data["reason"]
-    except (ValueError, OSError, KeyError, TypeError) as e:
+    except (ValueError, OSError, KeyError, TypeError, AttributeError) as e:
+        if isinstance(e, ConfigError):
+            raise
         raise ConfigError(f"{path} is not a valid deployment record ({e!r}); run reproduce again or delete it") from None
     if stage != app.baseline_stage or not isinstance(reason, str):
         raise ConfigError(f"{path}: expected this task's baseline stage {app.baseline_stage!r} and a reason; got stage "

@@ -17,7 +17,6 @@ written atomically every ``checkpoint_every`` iterations, so a kill loses at mos
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import re
@@ -33,7 +32,8 @@ from tqdm.auto import tqdm
 from ..utils.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..utils.config import ConfigError, to_dict
 from ..utils.report import append_jsonl
-from ..utils.rundir import drop_added_defaults, truncate_metrics
+from ..utils.seeding import derive_seed
+from ..utils.rundir import truncate_metrics
 from ..utils.distributed import DistContext
 from .calibration import InferenceConfig
 from .distributions import exit_costs
@@ -77,12 +77,6 @@ def check_writable(folder: Path) -> None:
                       f"--run-dir (nothing was changed)") from None
 
 
-def derive_seed(*parts: Any) -> int:
-    """A stable 63-bit seed from any printable parts (same on every platform and run)."""
-    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
 def load_finished_stage(module: nn.Module, checkpoint_dir: str | Path, stage: str, map_location: Any = "cpu") -> dict:
     """Load the selected weights of a finished stage from ``<checkpoint_dir>/<stage>.pt`` into ``module``.
 
@@ -97,7 +91,6 @@ def load_finished_stage(module: nn.Module, checkpoint_dir: str | Path, stage: st
         module.load_state_dict(ck["weights"])
     except (KeyError, RuntimeError) as e:
         raise CheckpointError(f"{path} does not fit the configured model: {e}") from None
-    flush_denormals_(module)  # checkpoints written before the trainer flushed them (a subnormal weight is slow)
     return ck.get("summary", {})
 
 
@@ -187,13 +180,9 @@ class WeightAverage:
 
 
 def same_stage_config(stored: Any, cfg: StageConfig) -> bool:
-    """Whether a checkpoint's stage config is ``cfg``'s; a field the checkpoint predates counts as equal when
-    ``cfg`` has it at its default (:func:`~learn2stop.utils.rundir.drop_added_defaults`, as for a run's fingerprint)."""
-    if not isinstance(stored, dict):
-        return False
-    now = to_dict(cfg)
-    drop_added_defaults(now, stored, to_dict(StageConfig(objective=cfg.objective)))
-    return stored == now
+    """Whether a checkpoint's stage config is ``cfg``'s (field for field: a checkpoint of another format is refused
+    when it is loaded, so both sides have the same fields)."""
+    return isinstance(stored, dict) and stored == to_dict(cfg)
 
 
 class StagedTrainer:
@@ -306,7 +295,7 @@ class StagedTrainer:
             opt.load_state_dict(ck["optimizer"])
             if average is not None:
                 average.load_state_dict(ck["ema"])
-            start, best, elapsed = ck["iteration"], ck["best_score"], ck.get("elapsed", 0.0)
+            start, best, elapsed = ck["iteration"], ck["best_score"], ck["elapsed"]
         saved_at = start if start > 0 else None  # the last good checkpoint of this stage, kept if it diverges
 
         if self.ctx.is_main and (self.run_dir / "metrics.jsonl").is_file():

@@ -115,15 +115,15 @@ class RunContext:
         In order, so that a refused command changes nothing: the folder must be usable (a training
         command creates it; any other command needs it to exist); an exclusive lock is taken (a second
         writer is refused, naming the holder); leftover temporary files of a killed run are removed;
+        the run must be of this library's run format, and of this task;
         the config's fingerprint must match the one the run was trained with (``fingerprint.json``), except,
         for a reading command, the config's ``location_fields`` (where the data lies: it may have moved);
         only then is ``config.yaml`` (training) or ``config.<command>.yaml`` written. With resume off,
         a training command first moves an existing run's files aside into ``previous-<time>/``.
         """
         from ..utils.checkpoint import clean_stale_temp_files
-        from ..utils.rundir import (RunDirError, RunLock, check_fingerprint, drop_added_defaults, keep_trained_values,
-                                    move_aside, prepare_run_dir, read_fingerprint, with_earlier_values,
-                                    write_fingerprint)
+        from ..utils.rundir import (RunDirError, RunLock, check_fingerprint, fingerprint_task, keep_trained_values,
+                                    move_aside, prepare_run_dir, read_fingerprint, write_fingerprint)
 
         if getattr(self, "_prepared", None) is not None:
             return  # a command calling another (reproduce -> train) prepares once
@@ -144,18 +144,15 @@ class RunContext:
                 # nothing trained yet (a first attempt that failed early): the settings are still free
                 (self.run_dir / "fingerprint.json").unlink(missing_ok=True)
             task = task_of_config(cfg)
-            # fields added since with a new default: a run that predates them was trained at these values
-            earlier = getattr(type(cfg), "earlier_values", {})
-            stored = with_earlier_values(read_fingerprint(self.run_dir), earlier)
-            owner = run_owner(self.run_dir, stored)
+            stored = read_fingerprint(self.run_dir)  # refuses a run of another run format
+            owner = fingerprint_task(self.run_dir)
             if task and owner and owner != task:
                 raise RunDirError(f"run directory {self.run_dir} belongs to task {owner}; use 'learn2stop {owner} "
                                   f"{command}', or another --run-dir for task {task}")
             if not training:  # the data may have moved since training: a reading command reads it where it is now
                 for name, old, new in keep_trained_values(fp, stored, getattr(type(cfg), "location_fields", ())):
                     self.log(f"{name}: reading {new!r} (the run was trained on {old!r})")
-            drop_added_defaults(fp, stored, run_fingerprint(type(cfg)()))  # fields added since, at their defaults
-            known = check_fingerprint(self.run_dir, fp, command, earlier)
+            known = check_fingerprint(self.run_dir, fp, command)
             if trained and not known:
                 raise RunDirError(f"run directory {self.run_dir} has checkpoints but no fingerprint.json, so the "
                                   f"settings they were trained with cannot be checked; restore the file or use a "
@@ -189,20 +186,6 @@ class RunContext:
 def task_of_config(cfg: Any) -> str | None:
     """The registered task whose config class ``cfg`` is (None for a config no task registered)."""
     return next((spec.name for spec in _specs() if isinstance(cfg, spec.config_class)), None)
-
-
-def run_owner(run_dir: Path, fields: dict | None) -> str | None:
-    """The task a run directory was trained for: as recorded in ``fingerprint.json``, or (older runs) the
-    task whose config has exactly the stored top-level sections."""
-    from ..utils.rundir import fingerprint_task
-
-    if fields is None:
-        return None
-    recorded = fingerprint_task(run_dir)
-    if recorded:
-        return recorded
-    matches = [spec.name for spec in _specs() if set(run_fingerprint(spec.config_class())) == set(fields)]
-    return matches[0] if len(matches) == 1 else None
 
 
 def _specs() -> list["TaskSpec"]:

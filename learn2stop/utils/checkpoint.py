@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from .formats import RUN_FORMAT, format_refusal
+
 FORMAT = "learn2stop-checkpoint"
-VERSION = 1
+VERSION = RUN_FORMAT  # a checkpoint's ``version``: the run format (:data:`~learn2stop.utils.formats.RUN_FORMAT`)
 
 
 class CheckpointError(RuntimeError):
@@ -88,8 +90,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
         raise CheckpointError(f"checkpoint {path} is corrupt or not loadable safely: {e}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a learn2stop checkpoint")
-    if data.get("version", 0) > VERSION:
-        raise CheckpointError(f"{path} was written by a newer learn2stop (format version {data['version']})")
+    if data.get("version", 0) != VERSION:
+        raise CheckpointError(format_refusal(f"checkpoint {path}", data.get("version", 0)))
     return data
 
 

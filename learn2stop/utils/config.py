@@ -384,11 +384,8 @@ def _metavar(tp: Any) -> str:
 
 
 def load_run_config(cls: type, run_dir: str | Path) -> Any:
-    """The config a run was trained with, from its ``config.yaml``; a field added to the library since with a new
-    default is read at the value such a run had (``cls.earlier_values``: a run that predates it)."""
-    from .rundir import with_earlier_values
-
-    return from_dict(cls, with_earlier_values(load_yaml(Path(run_dir) / "config.yaml"), getattr(cls, "earlier_values", {})))
+    """The config a run was trained with, from its ``config.yaml``."""
+    return from_dict(cls, load_yaml(Path(run_dir) / "config.yaml"))
 
 
 def resolve(cls: type, preset: dict | None = None, yaml_path: str | None = None, overrides: dict | None = None) -> Any:

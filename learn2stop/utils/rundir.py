@@ -14,7 +14,8 @@ that reads or writes one goes through these pieces, in this order::
 Guarantees: a second writer is refused while the first runs (and told who holds the lock); a
 reader is refused while a writer runs; a stale lock file left by a killed process blocks nothing
 (``flock`` locks die with their process); results in a run directory all come from the
-configuration in its ``fingerprint.json``; ``--no-resume`` never mixes the old run's files with the
+configuration in its ``fingerprint.json``, which also records the run format the run was written in (a
+run of another format is refused, naming both); ``--no-resume`` never mixes the old run's files with the
 new run's. Every error is a :class:`RunDirError` with a one-line message.
 """
 from __future__ import annotations
@@ -306,60 +307,26 @@ def keep_trained_values(fields: dict, stored: dict | None, names: tuple[str, ...
     return changed
 
 
-def drop_added_defaults(fields: dict, stored: dict | None, defaults: dict) -> list[str]:
-    """Remove from ``fields`` each leaf the run's fingerprint predates (absent in ``stored``) whose value is its
-    default in ``defaults``: a field added to the library since, asked at the behaviour the run was trained
-    with. Returns the dotted names removed.
-
-    Example:
-        >>> f = {"stage": {"lr": 0.1, "ema": 0.0}}
-        >>> drop_added_defaults(f, {"stage": {"lr": 0.1}}, {"stage": {"lr": 0.001, "ema": 0.0}}), f
-        (['stage.ema'], {'stage': {'lr': 0.1}})
-    """
-    if stored is None:
-        return []
-    have, default = _flatten(_plain(stored, "")), _flatten(_plain(defaults, ""))
-    dropped = [k for k, v in _flatten(_plain(fields, "")).items()
-               if k not in have and k in default and v == default[k]]
-    for name in dropped:
-        parent, leaf = _parent(fields, name)
-        del parent[leaf]
-    return dropped
-
-
-def with_earlier_values(stored: dict | None, earlier: dict[str, Any]) -> dict | None:
-    """``stored`` with each dotted field of ``earlier`` it lacks set to the value there: a field added to the library
-    with a new default, at the value a run whose fingerprint predates it was trained with.
-
-    Example:
-        >>> with_earlier_values({"policy": {"hidden": [64]}}, {"policy.inputs": "residual"})
-        {'policy': {'hidden': [64], 'inputs': 'residual'}}
-    """
-    if stored is None or not earlier:
-        return stored
-    out = json.loads(json.dumps(stored))
-    have = _flatten(_plain(out, ""))
-    for name, value in earlier.items():
-        if name not in have:
-            node = out
-            *parents, leaf = name.split(".")
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[leaf] = _plain(value, name)
-    return out
-
-
 def read_fingerprint(run_dir: str | os.PathLike) -> dict | None:
-    """The fields stored in ``<run_dir>/fingerprint.json``, or None if there is none yet."""
+    """The fields stored in ``<run_dir>/fingerprint.json``, or None if there is none yet.
+
+    Raises:
+        RunDirError: the file is corrupt or edited, or the run was written in another run format
+            (:data:`~learn2stop.utils.formats.RUN_FORMAT`): one line naming both formats.
+    """
+    from .formats import RUN_FORMAT, format_refusal
+
     path = Path(run_dir) / FINGERPRINT_FILE
     if not path.exists():
         return None
     try:
         stored = json.loads(path.read_text(encoding="utf-8"))
-        fields, digest = stored["fields"], stored["sha256"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        made, fields, digest = stored.get("format", 0), stored["fields"], stored["sha256"]
+    except (OSError, ValueError, KeyError, AttributeError) as e:
         raise RunDirError(f"{path} is unreadable or corrupt ({type(e).__name__}); "
                           f"the run's configuration cannot be checked: use a new --run-dir") from None
+    if made != RUN_FORMAT:
+        raise RunDirError(format_refusal(f"run directory {run_dir}", made))
     if not isinstance(fields, dict) or fingerprint(fields) != digest:
         raise RunDirError(f"{path} was edited or is corrupt (its hash does not match its fields); use a new --run-dir")
     return fields
@@ -369,15 +336,14 @@ def _show(value: Any) -> str:
     return repr(value) if value is ABSENT else json.dumps(value)
 
 
-def check_fingerprint(run_dir: str | os.PathLike, data: dict, command: str = "", earlier: dict | None = None) -> bool:
-    """Compare ``data`` with the run's stored fingerprint (its fields completed by ``earlier``: see
-    :func:`with_earlier_values`); True if it matches, False if none is stored.
+def check_fingerprint(run_dir: str | os.PathLike, data: dict, command: str = "") -> bool:
+    """Compare ``data`` with the run's stored fingerprint; True if it matches, False if none is stored.
 
     Raises:
         RunDirError: the run was made under other settings; the message lists up to 5 differing
-            fields with their old and new values.
+            fields with their old and new values. Or it was written in another run format.
     """
-    stored = with_earlier_values(read_fingerprint(run_dir), earlier or {})
+    stored = read_fingerprint(run_dir)
     if stored is None:
         return False
     diffs = diff_fields(stored, data)
@@ -393,12 +359,10 @@ def check_fingerprint(run_dir: str | os.PathLike, data: dict, command: str = "",
 
 
 def fingerprint_task(run_dir: str | os.PathLike) -> str | None:
-    """The task recorded in ``<run_dir>/fingerprint.json`` (None: no file, or one written before tasks were)."""
-    path = Path(run_dir) / FINGERPRINT_FILE
-    try:
-        task = json.loads(path.read_text(encoding="utf-8")).get("task")
-    except (OSError, ValueError, AttributeError):
+    """The task recorded in ``<run_dir>/fingerprint.json`` (None: no file, or a run of a config no task registered)."""
+    if read_fingerprint(run_dir) is None:
         return None
+    task = json.loads((Path(run_dir) / FINGERPRINT_FILE).read_text(encoding="utf-8")).get("task")
     return task if isinstance(task, str) else None
 
 
@@ -408,12 +372,13 @@ def write_fingerprint(run_dir: str | os.PathLike, data: dict, task: str | None =
     Writing the same fields again changes nothing; different fields raise as
     :func:`check_fingerprint` does (a fingerprint is never overwritten).
     """
+    from .formats import RUN_FORMAT
     from .report import write_text_atomic
 
     path = Path(run_dir) / FINGERPRINT_FILE
     if check_fingerprint(run_dir, data):
         return path
-    record = {"sha256": fingerprint(data), "fields": _plain(data, ""),
+    record = {"format": RUN_FORMAT, "sha256": fingerprint(data), "fields": _plain(data, ""),
               "written": _dt.datetime.now().isoformat(timespec="seconds")}
     if task:
         record["task"] = task  # outside the hashed fields: "this run belongs to task maml"
@@ -481,6 +446,6 @@ def truncate_metrics(path: str | os.PathLike, stage: str, iteration: int) -> int
     return dropped
 
 
-__all__ = ["ABSENT", "FINGERPRINT_FILE", "LOCK_FILE", "RunDirError", "RunLock", "check_fingerprint", "diff_fields",
-           "drop_added_defaults", "keep_trained_values",
+__all__ = ["ABSENT", "FINGERPRINT_FILE", "LOCK_FILE", "RunDirError", "RunLock", "check_fingerprint",
+           "diff_fields", "keep_trained_values",
            "fingerprint", "fingerprint_task", "move_aside", "prepare_run_dir", "read_fingerprint", "truncate_metrics", "write_fingerprint"]

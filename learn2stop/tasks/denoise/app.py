@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ...core import FixedDepth, Metric, StoppingModel, derive_seed, run_with_early_exit
+from ...utils.seeding import drawing_from
 from ...core.trace import collect_trace, evaluate_rule
 from ...core.pipeline import Stage, StoppingApp, check_config, deployed_model, deployed_rule, load_stage, min_step_hook
 from ...core.rules import ToleranceSignal
@@ -63,8 +64,7 @@ class DenoiseApp(StoppingApp):
 
     def build_models(self, cfg: DenoiseAppConfig, device) -> dict[str, StoppingModel]:
         m = cfg.model
-        with torch.random.fork_rng(devices=[]):  # seeded initialisation without touching the caller's RNG
-            torch.manual_seed(derive_seed(cfg.seed, "init") % 2**63)
+        with drawing_from(torch.Generator().manual_seed(derive_seed(cfg.seed, "init"))):  # not the caller's RNG
             net = lambda positions, **kw: DeepSupervisedDnCNN(m.depth, m.channels, positions, head_kernel=m.head_kernel, **kw)
             policy = DenoisePolicy(len(m.positions) + 1, m.policy_hidden)
             models = {"baseline": StoppingModel(net(())),

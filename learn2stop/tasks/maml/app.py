@@ -22,7 +22,7 @@ from ...core.trace import collect_trace, evaluate_rule
 from ...core.objectives import stage_field
 from ...core.rules import FixedDepth, PatienceSignal
 from ...core.pipeline import Stage, StoppingApp, check_config, deployed_rule, load_stage, signal_key
-from ...core.trainer import derive_seed
+from ...utils.seeding import derive_seed
 from ...utils.config import ints_at_least, preset_config, require, to_dict
 from ...utils.report import write_json
 from ..base import RunContext, TaskSpec, as_run, register_task, reproduce_pipeline, train_pipeline
@@ -110,7 +110,7 @@ PRESETS: dict[str, dict] = {
         # the policy reads scalars alone (its distances to that estimate carry what the set embeddings did), the
         # support loss among them as the step's inner gradient computed it: an ask runs no support-set forward
         "model": {"network": "mlp", "hidden": 40, "inner_steps": 10, "inner_lr": 0.02, "policy_posterior": True,
-                  "answer": "nearest", "policy_inputs": "scalars", "policy_support_loss": "step"},
+                  "policy_inputs": "scalars"},
         "method": {"beta": 0.05, "price": 0.3},  # price: 10 inner steps cost 0.3 of query MSE
         "maml": {**_ITERS(3000, 25, 250), "lr": 1e-3},
         "stage1": {**_ITERS(3000, 25, 250), "lr": 1e-3},
@@ -168,8 +168,8 @@ class MAMLApp(StoppingApp):
         if cfg.model.policy_posterior:
             out.append(Stage("posterior", "stop", cfg.posterior,
                              describe="MAML-stop's posterior-mean estimate (regression on query targets)"))
-        answers = cfg.model.answer != "last"
-        out.append(Stage("stage2", "stop", cfg.stage2, before=_stage2_hook if cfg.model.policy_posterior else None,
+        answers = cfg.model.policy_posterior  # the estimate chooses the kept answer
+        out.append(Stage("stage2", "stop", cfg.stage2, before=_stage2_hook if answers else None,
                          describe="MAML-stop Stage II (policy" + (", on the kept answers)" if answers else ")")))
         return out
 
@@ -195,10 +195,10 @@ class MAMLApp(StoppingApp):
 
     def classical_signals(self, cfg: MAMLConfig) -> dict:
         """The tolerance rule on the support loss: stop once an inner step changes it little. With a kept answer
-        (``model.answer: nearest``) also patience on it: stop once the kept answer has not changed for k steps
+        (``model.policy_posterior``) also patience on it: stop once the kept answer has not changed for k steps
         (early stopping that restores the best step)."""
         out = {"tolerance": lambda: ToleranceSignal(key=lambda out: out["support_loss"][:, None])}
-        if cfg.model.answer != "last":
+        if cfg.model.policy_posterior:
             T = cfg.model.inner_steps
             out["patience"] = lambda: PatienceSignal(key=lambda o: F.one_hot(o["answer_step"], T + 1))
         return out
@@ -212,12 +212,11 @@ APP = MAMLApp()
 
 
 def _stage2_hook(models: dict, app: MAMLApp, cfg: MAMLConfig, run) -> None:
-    """Stage II's hook with a posterior-mean estimate: it was trained in its own stage and stays as it is; with a kept
-    answer, MAML-stop answers with it from here on."""
+    """Stage II's hook with a posterior-mean estimate: it was trained in its own stage and stays as it is, and
+    MAML-stop answers with the kept answer it chooses from here on."""
     sm = models["stop"]
     sm.policy.fit_estimate = False
-    if cfg.model.answer != "last":
-        sm.model.answering = True
+    sm.model.answering = True
 
 
 

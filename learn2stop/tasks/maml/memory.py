@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from ...core.objectives import StageObjective
-from ...core.trainer import derive_seed
+from ...utils.seeding import derive_seed
 
 
 def graph_saved_bytes(loss: torch.Tensor) -> int:

@@ -25,9 +25,9 @@ from torch.func import grad, grad_and_value, vmap
 
 from ...core.model import StoppingModel
 from ...core.trees import tree_leaves, tree_map
-from ...core.trainer import derive_seed
 from ...utils.config import ints_at_least, non_negative, one_of, positive, require
 from ...utils.registry import Registry
+from ...utils.seeding import derive_seed, drawing_from
 from .losses import masked_mean, per_example_loss, query_loss, query_metric
 from .policy import MAMLStopPolicy, squared_distance
 
@@ -293,15 +293,15 @@ class AnsweringMAML(MAMLModel):
     best has not changed for k steps").
 
     Off (plain MAML outputs) until ``answering`` is set, kept in the checkpoints: Stage I trains the meta-learner on
-    its own steps, before the score is trained; MAML-stop turns it on for Stage II (``model.answer: nearest``).
+    its own steps, before the score is trained; MAML-stop turns it on for Stage II (``model.policy_posterior``).
 
     Output at step t when answering: ``pred`` the kept answer, ``step_pred`` this step's own prediction,
     ``step_score`` (B,) its score, ``answer_score`` (B,) the kept answer's score, ``answer_step`` (B,) the step it came
     from, and the policy features of this step.
 
-    ``support_loss_from_step`` (``model.policy_support_loss: step``, the quick preset's): when answering, the
+    ``support_loss_from_step`` (with ``model.policy_inputs: scalars``, the quick preset's): when answering, the
     ``support_loss`` the policy reads is the one step t's inner gradient was taken of (of the weights before the step,
-    computed anyway), carried in the state, and the readout runs no support-set forward; otherwise (``readout``) it is
+    computed anyway), carried in the state, and the readout runs no support-set forward; otherwise it is
     the support loss of step t's weights, a support-set forward at every step the policy reads. Only ``support_loss``
     is then read out of the support set, so the policy must read scalars alone.
     """
@@ -371,11 +371,6 @@ class AnsweringMAML(MAMLModel):
         return out
 
 
-ANSWERS = ("last", "nearest")
-#: where the policy's support loss comes from (:class:`AnsweringMAML`'s ``support_loss_from_step``)
-SUPPORT_LOSSES = ("readout", "step")
-
-
 @dataclass
 class ModelConfig:
     """The learner and its inner loop. inner_steps: T (the policy picks among steps 1..T).
@@ -384,20 +379,17 @@ class ModelConfig:
     late inner steps from diverging when Stage I rarely trains them. 0 is the paper's unbounded step.
     policy_posterior: the stopping policy also reads each step's distance to a learned posterior-mean estimate of
     the query targets (:class:`~learn2stop.tasks.maml.policy.PosteriorPredictive`; regression only), trained alone in
-    the ``posterior`` stage and left as it is by Stage II. Off by default (Omniglot, MiniImagenet); on in the
-    quick (sinusoid) preset.
+    the ``posterior`` stage and left as it is by Stage II, and a stop answers with the kept answer: the prediction
+    of the step s <= t nearest that estimate (:class:`AnsweringMAML`, from Stage II on). Off for classification
+    (Omniglot, MiniImagenet); on in the quick (sinusoid) preset, where the policy's quantile 0.5 closes 64-69 % of
+    the gap from the best fixed depth to the oracle step where answering with the step it stops at closed 27 %
+    (docs/maml.md).
     policy_inputs: what the stopping policy reads besides its scalars (:class:`~learn2stop.tasks.maml.policy.MAMLStopPolicy`):
-    ``"joint"`` (default) the DeepSets embeddings of the support and query sets, ``"separate"`` the release's,
-    ``"scalars"`` none (the quick preset's: with the posterior-mean distances it loses at most 0.005 query MSE at 3-5
-    steps, and its call costs 0.18 ms at 100 tasks instead of 1.2: docs/maml.md). A checkpoint loads as what it was trained on.
-    answer: ``"last"``: a stop at step t answers with step t's prediction; ``"nearest"``: with the prediction of the
-    step s <= t nearest the posterior-mean estimate (:class:`AnsweringMAML`, from Stage II on; needs
-    ``policy_posterior``). On in the quick preset: there the policy's quantile 0.5 closes 64-69 % of the gap from the
-    best fixed depth to the oracle step where answering with the step it stops at closed 27 % (docs/maml.md).
-    policy_support_loss: the support loss the policy reads at step t: ``"readout"`` (default) that of step t's weights,
-    a support-set forward at every step it reads; ``"step"`` the one step t's inner gradient was taken of (the weights
-    before the step), which costs nothing (:class:`AnsweringMAML`; needs ``answer: nearest`` and ``policy_inputs:
-    scalars``). The quick preset's: an ask then reads only what the step computed (docs/maml.md).
+    ``"joint"`` (default) the DeepSets embeddings of the support and query sets, ``"scalars"`` none (the quick
+    preset's: with the posterior-mean distances it loses at most 0.005 query MSE at 3-5 steps, and its call costs
+    0.18 ms at 100 tasks instead of 1.2: docs/maml.md). With both the kept answer and ``"scalars"`` the support loss
+    the policy reads at step t is the one step t's inner gradient was taken of (the weights before the step), which
+    costs nothing; otherwise that of step t's weights, a support-set forward at every step it reads.
     """
 
     network: str = "conv4"
@@ -408,19 +400,10 @@ class ModelConfig:
     inner_grad_clip: float = INNER_GRAD_CLIP
     policy_posterior: bool = False
     policy_inputs: str = "joint"
-    answer: str = "last"
-    policy_support_loss: str = "readout"
 
     def __post_init__(self):
         one_of(self.network, NETWORKS.names(), "network")
-        one_of(self.answer, ANSWERS, "answer")
         one_of(self.policy_inputs, MAMLStopPolicy.INPUTS, "policy_inputs")
-        one_of(self.policy_support_loss, SUPPORT_LOSSES, "policy_support_loss")
-        require(self.policy_support_loss == "readout" or (self.answer == "nearest" and self.policy_inputs == "scalars"),
-                "policy_support_loss", f"{self.policy_support_loss!r} carries the loss in the kept answer's state and "
-                "reads nothing else of the support set: set answer: nearest and policy_inputs: scalars")
-        require(self.answer == "last" or self.policy_posterior, "answer",
-                f"{self.answer!r} reads the posterior-mean estimate: set policy_posterior: true")
         require(isinstance(self.policy_posterior, bool), "policy_posterior", f"must be true or false; got {self.policy_posterior!r}")
         ints_at_least(self, "hidden", "inner_steps")
         positive(self.inner_lr, "inner_lr")
@@ -440,26 +423,27 @@ def loss_kind(cfg) -> str:
     return "mse" if cfg.data.source == "sinusoid" else "cross_entropy"
 
 
-def build(cfg, device, *, seed_offset: str = "") -> tuple[StoppingModel, StoppingModel]:
+def build(cfg, device, generator: torch.Generator | None = None) -> tuple[StoppingModel, StoppingModel]:
     """The two models, same initialisation: MAML (one output after T updates) and MAML-stop (T outputs + policy).
 
-    Seeded from ``cfg.seed`` (and ``seed_offset``) without touching the caller's global RNG.
+    The initial weights are drawn from ``generator`` (default: seeded from ``cfg.seed``), not the global RNG.
     """
     loss, T, m = loss_kind(cfg), cfg.model.inner_steps, cfg.model
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(cfg.seed, "init", seed_offset))
+    if generator is None:
+        generator = torch.Generator().manual_seed(derive_seed(cfg.seed, "init", ""))
+    with drawing_from(generator):
         net = make_network(cfg)
         net_stop = make_network(cfg)
         net_stop.load_state_dict(net.state_dict())
         policy = MAMLStopPolicy(net_stop.feat_dim, 1 if loss == "mse" else cfg.data.n_way, T, classification=loss != "mse",
-                                posterior=cfg.model.policy_posterior, in_dim=1 if loss == "mse" else None,
-                                answer=m.answer != "last", inputs=m.policy_inputs)
+                                posterior=m.policy_posterior, in_dim=1 if loss == "mse" else None,
+                                answer=m.policy_posterior, inputs=m.policy_inputs)
     clip = m.inner_grad_clip
     maml = StoppingModel(MAMLModel(net, 1, m.inner_lr, m.first_order, loss, updates_per_step=T, inner_grad_clip=clip))
     kind, kw = MAMLModel, {}
-    if m.answer == "nearest":
+    if m.policy_posterior:  # the kept answer
         kind, kw = AnsweringMAML, {"estimate": policy.posterior_mean,
-                                   "support_loss_from_step": m.policy_support_loss == "step"}
+                                   "support_loss_from_step": m.policy_inputs == "scalars"}
     stop = StoppingModel(kind(net_stop, T, m.inner_lr, m.first_order, loss, policy_features=True,
                               inner_grad_clip=clip, **kw), policy)
     return maml.to(device), stop.to(device)

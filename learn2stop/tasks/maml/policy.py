@@ -72,9 +72,8 @@ class MAMLStopPolicy(nn.Module):
       - DeepSets embeddings of the support features, of the query set and of the support set's fit. ``inputs``:
         ``"joint"`` (default): each query element's features with its prediction, and each support element's
         features with its target, prediction and residual, together (so the policy sees *where* the fit is good or
-        bad); ``"separate"`` (the release's, and this library's until 2026-11-28): the query features alone and
-        the residuals alone, each element without its features. The target and prediction are one-hot and softmax
-        vectors (classification) or values (regression); the residual is prediction - target.
+        bad). The target and prediction are one-hot and softmax vectors (classification) or values (regression);
+        the residual is prediction - target.
       - with ``posterior`` (regression): log of the mean squared distance of the step's query predictions to a
         learned estimate of the query targets' mean given the support (:class:`PosteriorPredictive`), computed once
         per rollout from the inputs alone (again only when the batch itself changes) and trained by its own
@@ -86,7 +85,8 @@ class MAMLStopPolicy(nn.Module):
     embedding -> Linear(3 (+1) (+2), 128) -> ELU -> Linear(128, 1).
 
     Why joint: on the quick sinusoid preset, at 3 inner steps, the joint policy's quantile rule reaches 1.545 expected
-    query MSE where the separate one reached 1.594, a fixed depth 1.687, and a stop that knows the task family (the
+    query MSE where the release's (query features alone and residuals alone, each element without its features)
+    reached 1.594, a fixed depth 1.687, and a stop that knows the task family (the
     least posterior expected query MSE of each step's function given the support) 1.385
     (``benchmarks/maml_sinusoid_bound.py``, docs/maml.md).
 
@@ -97,13 +97,13 @@ class MAMLStopPolicy(nn.Module):
     Args:
         feat_dim: the learner's feature size D. out_dim: its output size (N classes, or 1).
         num_steps: T. classification: residual as softmax - onehot, else prediction - target.
-        inputs: ``"joint"``, ``"separate"`` or ``"scalars"`` (above); a checkpoint loads as the one it was trained as.
+        inputs: ``"joint"`` or ``"scalars"`` (above).
         posterior: read the distance to the posterior-mean estimate (regression only; ``in_dim``: the size of an
             input x). Off by default (``model.policy_posterior``).
-        answer: also read the kept answer (needs ``posterior``; ``model.answer: nearest``).
+        answer: also read the kept answer (needs ``posterior``; on with ``model.policy_posterior``).
     """
 
-    INPUTS = ("joint", "separate", "scalars")
+    INPUTS = ("joint", "scalars")
 
     def __init__(self, feat_dim: int, out_dim: int, num_steps: int, classification: bool = True, dim: int = 64,
                  hidden: int = 128, inputs: str = "joint", posterior: bool = False, in_dim: int | None = None,
@@ -130,7 +130,6 @@ class MAMLStopPolicy(nn.Module):
         self.hidden = hidden
         self.head = self._head()
         self._cached = None  # (support_x, query_x, support_y, weight versions, with gradients, mean): one rollout's
-        self.register_load_state_dict_pre_hook(self._match_checkpoint)
 
     def posterior_mean(self, inputs: dict) -> Tensor:
         """(B, Q, out) the estimate of the query targets' mean given the support, computed once per batch of inputs:
@@ -172,10 +171,9 @@ class MAMLStopPolicy(nn.Module):
         if inputs == "scalars":
             self.support_set = self.query_set = self.residual_set = None
             return
-        joint = inputs == "joint"
         self.support_set = DeepSet(self.feat_dim, self.dim)
-        self.query_set = DeepSet(self.feat_dim + (self.out_dim if joint else 0), self.dim)
-        self.residual_set = DeepSet(self.feat_dim + 3 * self.out_dim if joint else self.out_dim, self.dim)
+        self.query_set = DeepSet(self.feat_dim + self.out_dim, self.dim)
+        self.residual_set = DeepSet(self.feat_dim + 3 * self.out_dim, self.dim)
 
     def _head(self) -> nn.Module:
         """The MLP on the set embeddings (none with ``inputs="scalars"``) and the 3 (+1 posterior) (+2 answer) scalars."""
@@ -184,7 +182,7 @@ class MAMLStopPolicy(nn.Module):
 
     def forward(self, inputs: dict, output: dict, t: int | Tensor) -> Tensor:
         """(B,) stop logits at step ``t``: one step for the batch, or a (B,) tensor of each row's step (rows at different
-        steps in one call, as a refilled batch holds them: ``benchmarks/maml_refill_probe.py``)."""
+        steps in one call, as a refilled batch holds them)."""
         if ("support_loss" if self.inputs == "scalars" else "support_feats") not in output:
             raise ValueError("the MAML-stop policy needs the learner's support features: build MAMLModel with policy_features=True")
         mask = inputs["support_mask"]  # (B, S)
@@ -214,22 +212,8 @@ class MAMLStopPolicy(nn.Module):
             pred, target = sp, inputs["support_y"]
         residual = pred - target
         sf, qf = output["support_feats"].detach(), output["query_feats"].detach()
-        if self.inputs == "joint":
-            qp = output.get("step_pred", output["pred"]).detach()
-            qf = torch.cat([qf, torch.softmax(qp, dim=-1) if self.classification else qp], dim=-1)
-            residual = torch.cat([sf, target, pred, residual], dim=-1)
+        qp = output.get("step_pred", output["pred"]).detach()
+        qf = torch.cat([qf, torch.softmax(qp, dim=-1) if self.classification else qp], dim=-1)
+        residual = torch.cat([sf, target, pred, residual], dim=-1)
         return (self.support_set(sf, mask), self.query_set(qf, qf.new_ones(qf.shape[:2])),
                 self.residual_set(residual, mask))
-
-    def _match_checkpoint(self, module, state_dict, prefix, *args) -> None:
-        """Before the children load: rebuild the sets (and the head) for the inputs a checkpoint was trained on, told
-        by its support-fit set: none (scalars), or its shape (the separate policy reads out_dim values per element)."""
-        if prefix + "head.0.weight" not in state_dict:
-            return
-        w = state_dict.get(prefix + "residual_set.phi.weight")
-        inputs = "scalars" if w is None else "separate" if w.shape[1] == self.out_dim else "joint"
-        if inputs != self.inputs:
-            like = self.head[0].weight  # the rebuilt modules take the module's device and dtype
-            self._build_sets(inputs)
-            self.head = self._head()
-            self.to(like)

@@ -24,6 +24,7 @@ from ...core.pipeline import (Stage, StoppingApp, check_config, deployed_rule, l
 from ...core.rules import ToleranceSignal
 from ...utils.config import to_dict
 from ...utils.report import write_json
+from ...utils.seeding import drawing_from
 from ..base import RunContext, TaskSpec, as_run, register_task, reproduce_pipeline, train_pipeline
 from .models import FISTA, ISTA, LISTA
 from .policy import SparseDepthPlanner, SparseStopPolicy
@@ -46,16 +47,7 @@ class SparseApp(StoppingApp):
 
     def build_models(self, cfg: SparseConfig, device) -> dict[str, StoppingModel]:
         task, L = self.task(cfg), cfg.lista
-        torch.manual_seed(cfg.seed)  # LISTA's ISTA initialisation is deterministic; the policies are seeded here
-        out = {}
-        for key in ("baseline", "stop", "stage3", "aevb") + (("baseline_equal",) if cfg.equal_budget else ()):
-            lista = LISTA(task.A, L.num_steps, L.L, L.rho, L.shrinkage)
-            p = cfg.policy
-            policy = (None if key.startswith("baseline")
-                      else SparseDepthPlanner(task.A, L.num_steps, p.hidden, replan=p.replan_mass > 0, inputs=p.plan_inputs)
-                      if p.features == "plan" else SparseStopPolicy(task.A, L.num_steps, p.features, p.sketch_dim, p.hidden, seed=cfg.seed))
-            out[key] = StoppingModel(lista, policy).to(device)
-        return out
+        return build(cfg, task.A, device, torch.Generator().manual_seed(cfg.seed))
 
     def training_task(self, cfg, key, sm):
         return self.task(cfg)
@@ -97,6 +89,20 @@ class SparseApp(StoppingApp):
         """Excess squared error over full depth, per unit of mean signal energy (NMSE in linear units)."""
         scale = trace.extras["energy"].double().mean().float()
         return (trace.metric - trace.metric[:, -1:]) / scale, None
+
+
+def build(cfg: SparseConfig, A: torch.Tensor, device, generator: torch.Generator) -> dict[str, StoppingModel]:
+    """LISTA (its ISTA initialisation is deterministic) and each stage's model, the policies' weights drawn in
+    turn from ``generator``."""
+    L, p, out = cfg.lista, cfg.policy, {}
+    with drawing_from(generator):
+        for key in ("baseline", "stop", "stage3", "aevb") + (("baseline_equal",) if cfg.equal_budget else ()):
+            lista = LISTA(A, L.num_steps, L.L, L.rho, L.shrinkage)
+            policy = (None if key.startswith("baseline")
+                      else SparseDepthPlanner(A, L.num_steps, p.hidden, replan=p.replan_mass > 0)
+                      if p.features == "plan" else SparseStopPolicy(A, L.num_steps, p.features, p.sketch_dim, p.hidden, seed=cfg.seed))
+            out[key] = StoppingModel(lista, policy).to(device)
+    return out
 
 
 APP = SparseApp()

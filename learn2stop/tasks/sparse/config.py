@@ -28,15 +28,12 @@ class LISTAConfig:
 class PolicyConfig:
     """The stopping policy's architecture (how it is used at test time is ``inference``).
 
-    features: ``plan`` (one call per sample plans the depth from the state at ``min_step``:
-        :class:`SparseDepthPlanner`), or a policy asked at every step with ``sketch`` statistics or
-        the release's ``full`` input.
+    features: ``plan`` (one call per sample plans the depth from four norms of the state at ``min_step``, no
+        product with A: :class:`SparseDepthPlanner`), or a policy asked at every step with ``sketch`` statistics
+        or the release's ``full`` input.
 
     min_mass: steps before the first one whose mean validation oracle mass q*(t) exceeds this
         become ``min_step`` (the policy is not evaluated there); 0 disables it.
-    plan_inputs: with ``plan``, what the plan reads: ``norms`` (four statistics of the state and ||y||, no product
-        with A: about a tenth of a LISTA step at batch 1000) or ``residual`` (eight, with the residual and the
-        gradient: two products with A, 0.8 of a step; the planner until 2026-11-27).
     replan_mass: with ``plan``, plan the samples still running once more, from the last move and a few norms
         of the state, at the first step before which the validation oracle holds this share of its mass (after
         the plan step, before T; 0.3 gives step 10 of 16 on the quick problem); 0: one plan. Read by the price
@@ -45,7 +42,6 @@ class PolicyConfig:
 
     features: str = "plan"
     sketch_dim: int = 32
-    plan_inputs: str = "norms"
     hidden: tuple[int, ...] = (64, 64)
     min_mass: float = 0.001
     replan_mass: float = 0.0
@@ -53,7 +49,6 @@ class PolicyConfig:
     def __post_init__(self):
         one_of(self.features, ("plan", "sketch", "full"), "features")
         positive_int(self.sketch_dim, "sketch_dim")
-        one_of(self.plan_inputs, ("norms", "residual"), "plan_inputs")
         for h in self.hidden:
             positive_int(h, "hidden")
         require(0 <= self.min_mass < 1, "min_mass", f"must be in [0, 1); got {self.min_mass}")
@@ -94,8 +89,6 @@ class SparseConfig:
 
     #: read-only sections, left out of the run's fingerprint: the test-time rule, the evaluation batch and the classical baselines' tuning
     reader_fields: ClassVar[tuple[str, ...]] = ('inference', 'eval_batch', 'classical')
-    #: runs trained before ``policy.plan_inputs`` existed planned from the residual statistics
-    earlier_values: ClassVar[dict[str, Any]] = {"policy.plan_inputs": "residual"}
 
     seed: int = 0
     problem: ProblemConfig = field(default_factory=ProblemConfig)
@@ -199,7 +192,7 @@ PRESETS: dict[str, dict] = {
         # price rule re-prices that one plan for any budget (price 0: q_phi's most likely step).
         # ... and planned once more, for the samples still running, where the oracle has 30 % of its mass before
         # (step 10): from the last move, the tolerance test's own signal, which the plan at step 5 cannot see
-        # (benchmarks/sparse_replan_probe.py; docs/sparse.md). --policy.replan_mass 0 gives one plan.
+        # (docs/sparse.md). --policy.replan_mass 0 gives one plan.
         "policy": {"min_mass": 0.02, "replan_mass": 0.3},
         "inference": {"rule": "price", "param": 0.0},
     },

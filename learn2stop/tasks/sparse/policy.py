@@ -2,7 +2,7 @@
 
 :class:`SparseDepthPlanner` (default): asked once per sample, at its ``plan_step``, it predicts the whole
 stop-time distribution q_phi(t | y, x_s) over the remaining steps from a few statistics that reveal the
-noise level and how far the iteration is from converging (the residual, the gradient, the support). One
+noise level and how far the iteration is from converging (the norms of the state and the support). One
 call per sample instead of one per step, and the loop then runs the batch sorted by planned depth. With
 ``replan_step`` it plans once more, at that later step, for the samples still running: from the size of the
 last move (the tolerance test's signal) and a few norms, all without a product with A.
@@ -36,9 +36,8 @@ from ...runtime.rules import priced_argmax
 def support_size(x: Tensor, absolute: Tensor | None = None) -> Tensor:
     """(B,) the number of nonzeros of each row, as x's dtype: the same count as ``count_nonzero`` or the 0-norm (an
     integer, exact in float below 2^24), as sign(|x|) summed. ``absolute``: |x|, where the caller has it (one pass
-    fewer). For a (1000, 250) batch on one thread, measured on the AVX-512 CPU of 2026-11-28: 0.06 ms from |x|, 0.16
-    from x (|sign(x)|, the form before), 0.19 for x.bool() summed and 0.46 for ``count_nonzero``; on an earlier CPU
-    ``count_nonzero`` took 0.84 ms against 0.08 for |sign(x)| summed."""
+    fewer). Why this form: on a (1000, 250) batch on one thread it was the fastest measured, ahead of |sign(x)|
+    summed, x.bool() summed and ``count_nonzero`` (several times slower)."""
     return torch.sign(x.abs() if absolute is None else absolute).sum(dim=1)
 
 
@@ -103,17 +102,15 @@ class SparseStopPolicy(MinStep, nn.Module):
         return self.rest(h).squeeze(1)
 
 
-#: the planner's activations: ReLU since the norms planner (at equal or better quality on the quick frontier; on a
-#: 2-core CPU 6 µs against ELU's 89 µs for a (1000, 64) batch: a plan a quarter cheaper); ELU before (checkpoints
-#: without the key)
-ACTIVATIONS = {"relu": (nn.ReLU, F.relu, NUMPY_ACTIVATIONS["relu"]),
-               "elu": (nn.ELU, F.elu, NUMPY_ACTIVATIONS["elu"])}  # module, torch, numpy
+#: the planner's activation, ReLU: at equal or better quality than ELU on the quick frontier, and on a 2-core CPU
+#: 6 µs against ELU's 89 µs for a (1000, 64) batch (a plan a quarter cheaper)
+_relu_np = NUMPY_ACTIVATIONS["relu"]
 
 
-def _mlp(width: int, hidden: tuple[int, ...], out: int, activation: str) -> nn.Sequential:
+def _mlp(width: int, hidden: tuple[int, ...], out: int) -> nn.Sequential:
     layers = []
     for h in hidden:
-        layers += [nn.Linear(width, h), ACTIVATIONS[activation][0]()]
+        layers += [nn.Linear(width, h), nn.ReLU()]
         width = h
     return nn.Sequential(*layers, nn.Linear(width, out))
 
@@ -132,14 +129,12 @@ def _state_norms(y: Tensor, x: Tensor, previous: Tensor | None = None) -> Tensor
     return torch.cat([logs, (support_size(x, absolute) / x.shape[1])[:, None]], dim=1)
 
 
-def _head(h: Tensor, norm: nn.BatchNorm1d | None, net: nn.Sequential, training: bool, activation: str) -> Tensor:
-    """An MLP on features standardised by ``norm`` (if any). Training: the module (batch statistics, and it gathers
+def _head(h: Tensor, norm: nn.BatchNorm1d, net: nn.Sequential, training: bool) -> Tensor:
+    """A ReLU MLP on features standardised by ``norm``. Training: the module (batch statistics, and it gathers
     them); inference: the gathered ones. The layers run functionally (no module calls on the hot path)."""
-    if norm is not None:
-        h = norm(h) if training else F.batch_norm(h, norm.running_mean, norm.running_var, eps=norm.eps)
-    act = ACTIVATIONS[activation][1]
+    h = norm(h) if training else F.batch_norm(h, norm.running_mean, norm.running_var, eps=norm.eps)
     for layer in net:
-        h = F.linear(h, layer.weight, layer.bias) if isinstance(layer, nn.Linear) else act(h)
+        h = F.linear(h, layer.weight, layer.bias) if isinstance(layer, nn.Linear) else F.relu(h)
     return h
 
 
@@ -178,16 +173,16 @@ class _NumpyHead:
     price rule's stop steps, argmax_{u >= t} logit(u) - price * u / T (the argmax of log q_phi, which differs
     from the logits by a constant per row); the last layer's columns of steps t..T are kept per t."""
 
-    def __init__(self, norm: nn.BatchNorm1d | None, net: nn.Sequential, activation: str):
+    def __init__(self, norm: nn.BatchNorm1d, net: nn.Sequential):
         lins = [layer for layer in net if isinstance(layer, nn.Linear)]
         weights = [layer.weight.detach().double().t() for layer in lins]
         biases = [layer.bias.detach().double() for layer in lins]
-        if norm is not None:  # (f - mean) / std @ W + b = f @ (W / std) + (b - mean / std @ W)
-            inv = (norm.running_var.detach().double() + norm.eps).rsqrt()
-            biases[0] = biases[0] - (norm.running_mean.detach().double() * inv) @ weights[0]
-            weights[0] = weights[0] * inv[:, None]
+        # (f - mean) / std @ W + b = f @ (W / std) + (b - mean / std @ W)
+        inv = (norm.running_var.detach().double() + norm.eps).rsqrt()
+        biases[0] = biases[0] - (norm.running_mean.detach().double() * inv) @ weights[0]
+        weights[0] = weights[0] * inv[:, None]
         self.layers = [(w.float().numpy().copy(), b.float().numpy().copy()) for w, b in zip(weights, biases)]
-        self.act = ACTIVATIONS[activation][2]
+        self.act = _relu_np
         self.T = self.layers[-1][1].shape[0]
         self._last: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -209,17 +204,13 @@ class _NumpyHead:
 class SparseDepthPlanner(MinStep, nn.Module):
     """q_phi(t | y, x_s) for t = 1..T from the state at step s = ``plan_step``: a planning policy.
 
-    Its inputs (``inputs``), computed once per sample:
-
-    - ``"norms"`` (default): four statistics with no product with A: log ||x_s||_1, log ||x_s||_2, the support
-      fraction of x_s (from the shrinkage the step just did) and log ||y||, standardised by the statistics of the
-      training batches. A few reductions over x_s: about a tenth of a LISTA step at batch 1000 where the residual
-      statistics cost 0.8 of one. Fitted offline on the quick and ``paper-cpu`` runs they plan within 0.02 dB of
-      the deployed residual plans at 50-90 % of the steps (and up to 0.04 below a residual refit of the same kind:
-      docs/sparse.md); trained by Stage II, from 0.005 dB below to 0.06 above them at 40-90 % (docs/sparse.md).
-    - ``"residual"`` (the planner until 2026-11-27): eight statistics, log ||y||, log ||r|| and log ||A^T r|| with
-      r = y - A x_s (the noise level, and how far an ISTA step would still move x_s), their ratios to ||y|| and
-      ||x_s||, log ||x_s||_1, log ||x_s||_2 and the support fraction; two products with A per sample.
+    Its inputs, computed once per sample: four statistics with no product with A: log ||x_s||_1, log ||x_s||_2, the
+    support fraction of x_s (from the shrinkage the step just did) and log ||y||, standardised by the statistics of
+    the training batches. A few reductions over x_s: about a tenth of a LISTA step at batch 1000, where statistics
+    of the residual y - A x_s and the gradient A^T r cost 0.8 of one. Fitted offline on the quick and ``paper-cpu``
+    runs they plan within 0.02 dB of residual-statistics plans at 50-90 % of the steps (and up to 0.04 below a
+    residual refit of the same kind: docs/sparse.md); trained by Stage II, from 0.005 dB below to 0.06 above them
+    at 40-90 % (docs/sparse.md).
 
     Returns the (B, T-1) stop logits of steps 1..T-1 that induce the planned q_phi
     (:func:`~learn2stop.core.distributions.stop_logits_from_distribution`), so every Stage II loss and
@@ -228,50 +219,33 @@ class SparseDepthPlanner(MinStep, nn.Module):
     With ``replan=True`` a second head can plan again, at ``replan_step`` s2 (set, like ``min_step``, from the
     validation oracle before Stage II, and kept in the checkpoint; None: one plan), the samples still running
     (:meth:`replan_log_q`): what the tolerance rule learns from the steps after the plan, and a single plan
-    cannot see (``benchmarks/sparse_replan_probe.py``: from behind the tolerance rule at 70-90 % of the steps
-    to ahead of it on the quick problem).
+    cannot see (on the quick problem: from behind the tolerance rule at 70-90 % of the steps to ahead of it).
 
     Args:
-        A: (m, n) measurement matrix.
+        A: (m, n) measurement matrix (only its shape is read: the plan reads no product with A).
         num_steps: T.
-        hidden: widths of the MLPs.
+        hidden: widths of the ReLU MLPs.
         replan: give it the second head.
-        inputs: ``"norms"`` or ``"residual"``, the first plan's statistics (above).
-        activation: of both MLPs, ``"relu"`` or ``"elu"``; a checkpoint sets its own (it has no weights), and one
-            without the key had ELU.
     """
 
-    dims = {"norms": 4, "residual": 8}
+    in_dim = 4
     replan_dim = 6
 
-    def __init__(self, A: Tensor, num_steps: int, hidden: tuple[int, ...] = (64, 64), replan: bool = False,
-                 inputs: str = "norms", activation: str = "relu"):
+    def __init__(self, A: Tensor, num_steps: int, hidden: tuple[int, ...] = (64, 64), replan: bool = False):
         super().__init__()
-        if inputs not in self.dims:
-            raise ValueError(f"inputs must be one of {sorted(self.dims)}; got {inputs!r}")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}; got {activation!r}")
-        self.activation = activation
-        self.num_steps, self.inputs = num_steps, inputs
+        self.num_steps = num_steps
         self.min_step = 1
         self.replan_step: int | None = None
-        if inputs == "residual":
-            self.register_buffer("A", A.clone())
-            self.register_buffer("_minus", torch.tensor([0, 4]), persistent=False)  # log-norm ratios: [1, 2] - [0, 4]
         # the norms are standardised by the training batches' statistics, as the second head's inputs (below); by a
         # moving average, since Stage III and AEVB train the first plan while theta moves
-        self.plan_norm = nn.BatchNorm1d(self.dims[inputs], affine=False, momentum=0.01) if inputs == "norms" else None
-        self.net = _mlp(self.dims[inputs], hidden, num_steps, activation)
+        self.plan_norm = nn.BatchNorm1d(self.in_dim, affine=False, momentum=0.01)
+        self.net = _mlp(self.in_dim, hidden, num_steps)
         # the second head: steps s2..T from the state at s2. Its inputs are standardised by the statistics of the
         # training batches (theta is frozen in Stage II, so they do not drift): on the quick problem, Stage II
         # without it came out 0.03-0.09 dB lower at 70-90 % of the steps (docs/sparse.md).
         self.replan_norm = nn.BatchNorm1d(self.replan_dim, affine=False, momentum=None) if replan else None
-        self.replan_net = _mlp(self.replan_dim, hidden, num_steps, activation) if replan else None  # read from s2 on
+        self.replan_net = _mlp(self.replan_dim, hidden, num_steps) if replan else None  # read from s2 on
         self._numpy = NumpyCopies()  # of the heads, for small batches at inference
-
-    @property
-    def in_dim(self) -> int:
-        return self.dims[self.inputs]
 
     @property
     def plan_step(self) -> int:
@@ -279,23 +253,14 @@ class SparseDepthPlanner(MinStep, nn.Module):
         return self.min_step
 
     def extract(self, y: Tensor, x: Tensor) -> Tensor:
-        """The (B, ``in_dim``) raw features of the state x = x_s (see the class text). Written in few operations: at
-        batch 1 each costs its dispatch (a few microseconds), and this runs once per sample on the inference path."""
-        if self.inputs == "norms":
-            return _state_norms(y, x)
-        norm = torch.linalg.vector_norm
-        r = y - x @ self.A.t()  # (B, m) residual (not addmm: its rounding differs, and so would the plans)
-        g = r @ self.A  # (B, n) minus the gradient of 1/2 ||y - A x||^2
-        stats = torch.stack([norm(y, dim=1), norm(r, dim=1), norm(g, dim=1), x.abs().sum(dim=1), norm(x, dim=1),
-                             support_size(x)], dim=1)  # ||y||, ||r||, ||g||, ||x||_1, ||x||_2, support size
-        logs = (stats[:, :5] + 1e-6).log()
-        ratios = logs[:, 1:3] - logs.index_select(1, self._minus)  # log ||r||/||y||, log ||g||/||x||
-        return torch.cat([logs, ratios, stats[:, 5:] / x.shape[1]], dim=1)
+        """The (B, 4) raw features of the state x = x_s (see the class text). Written in few operations: at batch 1
+        each costs its dispatch (a few microseconds), and this runs once per sample on the inference path."""
+        return _state_norms(y, x)
 
     def plan_log_q(self, y: Tensor, x: Tensor, t: int) -> Tensor:
         """The planned (B, T) log q_phi (the price rule reads it directly); the MLP run functionally (no
         module calls on the hot path)."""
-        return torch.log_softmax(_head(self.extract(y, x), self.plan_norm, self.net, self.training, self.activation), dim=1)
+        return torch.log_softmax(_head(self.extract(y, x), self.plan_norm, self.net, self.training), dim=1)
 
     def forward(self, y: Tensor, x: Tensor, t: int) -> Tensor:
         from ...core.distributions import stop_logits_from_distribution
@@ -313,14 +278,13 @@ class SparseDepthPlanner(MinStep, nn.Module):
         if self.replan_net is None or self.replan_step is None or t != self.replan_step:
             raise ValueError(f"this planner plans again only at its replan_step ({self.replan_step}); asked at step {t}")
         # logits of steps 1..T; the loop renormalises them on t..T
-        return _head(self.extract_late(y, x, previous), self.replan_norm, self.replan_net, self.training,
-                     self.activation)
+        return _head(self.extract_late(y, x, previous), self.replan_norm, self.replan_net, self.training)
 
     def priced_plan(self, y: Tensor, x: Tensor, t: int, threshold: float) -> Tensor | None:
         """The price rule's stop steps from the first plan, argmax_{u >= t} log q_phi(u) - price * u / T (threshold
         = -price), computed in numpy where that is faster: a batch of at most :data:`NUMPY_MAX_BATCH` on a CPU, at
-        inference, with the ``norms`` inputs. None elsewhere (the rule then reads :meth:`plan_log_q`)."""
-        head = self._numpy_head("plan", y, x) if self.inputs == "norms" else None
+        inference. None elsewhere (the rule then reads :meth:`plan_log_q`)."""
+        head = self._numpy_head("plan", y, x)
         return None if head is None else head.stop_steps(_state_norms_np(y.numpy(), x.numpy()), t, threshold)
 
     def priced_replan(self, y: Tensor, x: Tensor, previous: Tensor, t: int, threshold: float) -> Tensor | None:
@@ -334,26 +298,16 @@ class SparseDepthPlanner(MinStep, nn.Module):
         if not numpy_eligible(self, x, y):
             return None
         norm, net = (self.plan_norm, self.net) if which == "plan" else (self.replan_norm, self.replan_net)
-        return self._numpy.get(which, lambda: [*net.parameters(), *(() if norm is None else (norm.running_mean, norm.running_var))],
-                               lambda: _NumpyHead(norm, net, self.activation))
+        return self._numpy.get(which, lambda: [*net.parameters(), norm.running_mean, norm.running_var],
+                               lambda: _NumpyHead(norm, net))
 
     def get_extra_state(self) -> dict:
-        return {**super().get_extra_state(), "replan_step": self.replan_step, "inputs": self.inputs,
-                "activation": self.activation}
+        return {**super().get_extra_state(), "replan_step": self.replan_step}
 
     def set_extra_state(self, state: dict) -> None:
         super().set_extra_state(state)
-        inputs = state.get("inputs", "residual")  # absent in checkpoints of the residual planner (until 2026-11-27)
-        if inputs != self.inputs:
-            raise ValueError(f"the checkpoint's planner reads the {inputs!r} statistics and this one is built for "
-                             f"{self.inputs!r} (set policy.plan_inputs {inputs})")
-        self.activation = state.get("activation", "elu")  # absent in the checkpoints of ELU planners
         self._numpy.clear()
-        for net in (self.net, self.replan_net):
-            for i, layer in enumerate(net or ()):
-                if not isinstance(layer, nn.Linear):
-                    net[i] = ACTIVATIONS[self.activation][0]()  # the modules' own forward agrees with _head
-        again = state.get("replan_step")  # absent in checkpoints of one plan
+        again = state["replan_step"]
         if again is not None and self.replan_net is None:
             raise ValueError(f"the checkpoint plans again at step {again}, and this planner has no second head "
                              "(build it with replan=True: policy.replan_mass > 0)")
