@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from learn2stop.core.pipeline import load_stage
+from learn2stop.core.train import load_stage
 from learn2stop.tasks.classify.app import APP, PRESETS, ClassifyConfig
 from learn2stop.utils.config import merge, resolve
 

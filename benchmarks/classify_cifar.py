@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from learn2stop.core.pipeline import frontier_command
+from learn2stop.core.frontier import frontier_command
 from learn2stop.tasks.base import RunContext
 from learn2stop.tasks.classify.app import APP, PRESETS, ClassifyConfig, evaluate, train
 from learn2stop.utils.config import merge, resolve

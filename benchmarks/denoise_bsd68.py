@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from learn2stop.core.calibration import CalibrationTarget  # noqa: E402
-from learn2stop.core.pipeline import calibrate_command, frontier_command  # noqa: E402
+from learn2stop.core.calibrate import calibrate_command
+from learn2stop.core.frontier import frontier_command  # noqa: E402
 from learn2stop.tasks.base import RunContext  # noqa: E402
 from learn2stop.tasks.denoise.app import APP, evaluate, train  # noqa: E402
 from learn2stop.tasks.denoise.metrics import PAPER_TABLE6  # noqa: E402

@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from learn2stop.core.pipeline import frontier_command  # noqa: E402
+from learn2stop.core.frontier import frontier_command  # noqa: E402
 from learn2stop.tasks.base import RunContext  # noqa: E402
 from learn2stop.tasks.maml.app import APP, PRESETS, MAMLConfig, reproduce  # noqa: E402
 from learn2stop.tasks.maml.memory import graph_bytes, process_peak_bytes  # noqa: E402

@@ -35,7 +35,7 @@ import torch
 from learn2stop.core.calibration import policy_scores
 from learn2stop.core.trace import collect_trace
 from learn2stop.core.loop import unroll
-from learn2stop.core.pipeline import load_stage
+from learn2stop.core.train import load_stage
 from learn2stop.core.rules import SIGNALS, first_crossing
 from learn2stop.tasks.maml.app import APP, MAMLConfig, preset
 from learn2stop.tasks.maml.models import meta_learner

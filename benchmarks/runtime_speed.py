@@ -50,7 +50,7 @@ def _last_linear(module: nn.Module) -> nn.Linear:
 
 def _from_run(task: str, run_dir: str):
     """(stop model, rule, test inputs) of a trained run: its stop stage, its deployed rule."""
-    from learn2stop.core.pipeline import load_stage
+    from learn2stop.core.train import load_stage
     from learn2stop.tasks.base import get_task
     from learn2stop.utils.config import resolve
 

@@ -31,7 +31,8 @@ import torch
 
 from learn2stop.core.fastpath import NUMPY_MAX_BATCH, torch_only
 from learn2stop.core.loop import StepView, run_with_early_exit
-from learn2stop.core.pipeline import load_stage, shuffled
+from learn2stop.core.train import load_stage
+from learn2stop.core.calibrate import shuffled
 from learn2stop.core.rules import FixedDepth, SignalRule, StopAtTimes, make_signal
 from learn2stop.tasks.sparse.app import APP
 from learn2stop.tasks.sparse.config import SparseConfig

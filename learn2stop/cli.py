@@ -65,7 +65,7 @@ def build_parser(task_name: str) -> argparse.ArgumentParser:
 def check_command_options(args: argparse.Namespace, spec, cfg) -> CommandOptions:
     """The command's options, typed and checked (:class:`CommandOptions`), and its rules the task's own, before
     any run directory is touched."""
-    from .core.pipeline import check_rule
+    from .core.task import check_rule
 
     options = CommandOptions(command=args.command, budget=args.budget, epsilon=args.epsilon, delta=args.delta,
                              rule=args.rule, fastest=args.fastest, speed_batch=args.speed_batch,
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = overrides_from_args(args)
         asked = overrides.get("inference", {}).get("rule") if isinstance(overrides.get("inference"), dict) else None
         if asked is not None and spec.app is not None:  # the task's rules first: its other settings do not matter then
-            from .core.pipeline import check_rule
+            from .core.task import check_rule
 
             check_rule(spec.app, spec.config_class(), asked, "inference.rule", task_name)
         cfg = resolve(spec.config_class, spec.presets[args.preset], args.config, overrides)

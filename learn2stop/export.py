@@ -412,13 +412,15 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
 def export_command(app: Any, cfg: Any, run: Any, *, out: str | None, task: str = "custom") -> dict:
     """``learn2stop <task> export --run-dir R --out DIR``: the run's stop model and deployed rule as ONNX."""
     from .core.calibration import load_calibration
-    from .core.pipeline import _require_trained, load_stage, served_baseline
+    from .core.task import require_trained
+    from .core.train import load_stage
+    from .core.deploy import served_baseline
 
     if app.export_unsupported:
         raise ConfigError(f"export: {app.export_unsupported}")
     check_out_dir(out, "--out", run.run_dir)
     replacing = Path(out).is_dir() and any(Path(out).iterdir())
-    _require_trained(run.run_dir, app.stop_stage, "export")
+    require_trained(run.run_dir, app.stop_stage, "export")
     sm = load_stage(app, cfg, run.run_dir, app.stop_stage, "cpu")
     inference = app.inference(cfg)
     cal = load_calibration(run.run_dir) if inference.use_calibrated and not inference.sampled else None

@@ -12,7 +12,7 @@ from PIL import Image
 
 from learn2stop.cli import main as cli_main
 from learn2stop.core.trace import collect_trace
-from learn2stop.core.pipeline import load_stage
+from learn2stop.core.train import load_stage
 from learn2stop.tasks.base import RunContext
 from learn2stop.tasks.denoise import add_noise, psnr
 from learn2stop.tasks.denoise.app import APP, denoise_files, evaluate, train

@@ -96,7 +96,7 @@ def test_calibrate_fastest_keeps_the_fastest_calibrated_rule(tmp_path, capsys):
 
 
 def test_the_in_time_table_lists_a_rule_that_never_reaches_the_quality():
-    from learn2stop.core.pipeline import in_time_markdown
+    from learn2stop.core.deploy import in_time_markdown
 
     result = {"metric": "accuracy (%)", "reference": "the network alone at full depth", "calibration": "matched",
               "deployed": "quantile", "backend": "torch", "device": "cpu", "passes": {"1": 9, "256": 3},
@@ -115,7 +115,7 @@ def test_the_in_time_table_lists_a_rule_that_never_reaches_the_quality():
 
 
 def test_the_deployment_is_the_fastest_certified_rule_with_ties_to_the_least_cost():
-    from learn2stop.core.pipeline import SPEED_TIE, fastest_certified
+    from learn2stop.core.deploy import SPEED_TIE, fastest_certified
 
     costs = {"baseline": 1.0, "price": 0.62, "fixed": 0.75, "tolerance": 0.70}
     # a clear winner is deployed whatever its cost

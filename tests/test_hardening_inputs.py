@@ -322,7 +322,7 @@ def test_a_one_class_dataset_is_refused(tmp_path):
 
 
 def test_the_price_rule_needs_a_planning_policy():
-    from learn2stop.core.pipeline import check_policy_rule
+    from learn2stop.core.task import check_policy_rule
 
     sm = StoppingModel(ToyStepModel(), ToyPolicy())
     with pytest.raises(ConfigError, match=r"--rule: the 'price' rule reads a planned q_phi, and this run's policy does not"):

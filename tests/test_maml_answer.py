@@ -12,7 +12,9 @@ from learn2stop.core import InferenceConfig, StageConfig, StoppingModel, unroll
 from learn2stop.core.trace import collect_trace, evaluate_rule
 from learn2stop.core.loop import run_with_early_exit
 from learn2stop.core.objectives import StageObjective
-from learn2stop.core.pipeline import deployed_rule, load_stage, signal_key
+from learn2stop.core.deploy import deployed_rule
+from learn2stop.core.train import load_stage
+from learn2stop.core.task import signal_key
 from learn2stop.core.rules import StopAtTimes, first_crossing
 from learn2stop.tasks.maml.app import APP, MAMLConfig, preset
 from learn2stop.tasks.maml.models import MLP, AnsweringMAML, MAMLModel, build, meta_learner

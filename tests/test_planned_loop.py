@@ -173,7 +173,7 @@ def test_plan_log_q_stops_where_the_logits_round_trip_does(s):
 
 
 def test_speed_samples_are_a_mix_of_a_grouped_test_set():
-    from learn2stop.core.pipeline import shuffled
+    from learn2stop.core.calibrate import shuffled
 
     groups = torch.arange(3).repeat_interleave(100)  # a test set grouped like sparse's SNRs
     mixed = shuffled({"x": groups[:, None].float(), "g": groups})

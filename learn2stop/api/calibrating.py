@@ -7,7 +7,7 @@ and the one that runs fastest at the batch size served is kept (the others' spee
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -21,7 +21,8 @@ from .distributions import exit_costs, log_cost_prior
 from .trace import Metric, Trace, collect_trace, evaluate_rule
 from .exits import ExitNetwork, attach_exits, sdn_exit_points
 from .objectives import OBJECTIVES, MethodConfig, StageConfig, StageObjective
-from .pipeline import Stage, StoppingApp, load_stage, run_pipeline
+from .task import Stage, StoppingApp
+from .train import load_stage, run_pipeline
 from .rules import (ConfidenceSignal, EntropySignal, PatienceSignal, PolicySignal, QuantileSignal, SignalRule,
                     ToleranceSignal, first_crossing, signal_trace)
 from .trainer import StagedTrainer, derive_seed, load_finished_stage, validation_scores

@@ -162,3 +162,16 @@ class ExitPolicy(nn.Module):
             h = elu(h)
             return (h @ w2 + np.float32(b2)).astype(np.float32)
         return decide
+
+
+class MinStep:
+    """Mixin for a policy module asked only from its ``min_step`` (see :func:`~learn2stop.core.train.oracle_min_step`), which its
+    checkpoint keeps: ``class MyPolicy(MinStep, nn.Module)``."""
+
+    min_step: int = 1
+
+    def get_extra_state(self) -> dict:
+        return {"min_step": int(self.min_step)}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.min_step = int(state["min_step"])

@@ -36,7 +36,7 @@ OPTION_READERS = {"budget": ("calibrate",), "epsilon": ("calibrate",), "delta": 
 class CommandOptions:
     """The options of one command beyond the config (``--budget``, ``--backend``, ...), checked once when made:
     an option the command does not read, a calibration target that is not exactly one, an unknown backend.
-    Whether ``rule`` is one of the task's rules is for the task to say (:func:`~learn2stop.core.pipeline.check_rule`)."""
+    Whether ``rule`` is one of the task's rules is for the task to say (:func:`~learn2stop.core.task.check_rule`)."""
 
     command: str = "train"
     budget: float | None = None
@@ -79,7 +79,7 @@ class CommandOptions:
 @dataclass
 class RunContext:
     """Where a command writes, and how it runs: decided by the CLI (or a script), passed down (the core reads it
-    through its :class:`~learn2stop.core.pipeline.Run` protocol)."""
+    through its :class:`~learn2stop.core.task.Run` protocol)."""
 
     run_dir: Path
     ctx: DistContext = field(default_factory=DistContext)
@@ -202,7 +202,8 @@ def as_run(run: "RunContext | str | Path") -> "RunContext":
 
 def train_pipeline(app: Any, cfg: Any, run: "RunContext | str | Path", note: str = "") -> dict:
     """The ``train`` command of every task: check and lock the run directory, then the core pipeline."""
-    from ..core.pipeline import check_config, run_pipeline
+    from ..core.task import check_config
+    from ..core.train import run_pipeline
 
     check_config(cfg)
     run = as_run(run)
@@ -215,11 +216,12 @@ def train_pipeline(app: Any, cfg: Any, run: "RunContext | str | Path", note: str
 def reproduce_pipeline(app: Any, cfg: Any, run: "RunContext | str | Path", train: Callable, evaluate: Callable, *,
                        frontier: bool = False) -> dict:
     """The ``reproduce`` command of every task: ``train`` (resuming what exists), deploy the rule calibrated to
-    keep the baseline's quality (:func:`~learn2stop.core.pipeline.deploy_calibration`), ``evaluate`` with it,
+    keep the baseline's quality (:func:`~learn2stop.core.deploy.deploy_calibration`), ``evaluate`` with it,
     optionally the frontier; the total wall-clock is logged."""
     import time
 
-    from ..core.pipeline import deploy_calibration, frontier_command
+    from ..core.deploy import deploy_calibration
+    from ..core.frontier import frontier_command
 
     run = as_run(run)
     t0 = time.perf_counter()
@@ -251,7 +253,8 @@ TASKS: Registry[TaskSpec] = Registry("task")
 def register_task(spec: TaskSpec) -> TaskSpec:
     """Register a task; a task with a :class:`StoppingApp` gets ``calibrate``, ``frontier`` and ``export`` too."""
     if spec.app is not None:
-        from ..core.pipeline import calibrate_command, frontier_command
+        from ..core.calibrate import calibrate_command
+        from ..core.frontier import frontier_command
 
         def calibrate(cfg, run):
             return calibrate_command(spec.app, cfg, run, run.options.target, rule=run.options.rule,

@@ -23,8 +23,9 @@ from torch import Tensor, nn
 from ...core import Metric, StageConfig, StoppingModel, derive_seed
 from ...core.trace import collect_trace, evaluate_rule
 from ...core.loop import run_with_early_exit
-from ...core.pipeline import (Stage, StoppingApp, check_config, deployed_model, deployed_rule, load_stage,
-                              served_baseline, stop_model_trace)
+from ...core.task import Stage, StoppingApp, check_config, stop_model_trace
+from ...core.deploy import deployed_model, deployed_rule, served_baseline
+from ...core.train import load_stage
 from ...core.rules import SIGNALS, ConfidenceSignal, EntropySignal, PatienceSignal, first_crossing, reads_at_stop_alone
 from ...core.calibration import calibrate_budget
 from ...core.policies import ExitPolicy

@@ -4,7 +4,7 @@ Pieces: :mod:`.data` (image folders, dead-leaves default images, multi-scale pat
 :mod:`.models` (DnCNN and its early-exit variant with cheap exits and declared exit costs),
 :mod:`.policy` (the stop MLP on image statistics), :mod:`.metrics` (PSNR and Table 6),
 :mod:`.bm3d_baseline` (optional BM3D), :mod:`.task` (config, presets, images, the training task) and :mod:`.app` (the
-:class:`~learn2stop.core.pipeline.StoppingApp` and the CLI commands; registers the task).
+:class:`~learn2stop.core.task.StoppingApp` and the CLI commands; registers the task).
 """
 from .app import APP, evaluate, reproduce, train
 from .data import ImageDataError, PatchBank, add_noise, augment, inverse_augment, load_image, synthetic_images

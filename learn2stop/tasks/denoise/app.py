@@ -5,7 +5,7 @@
     learn2stop denoise calibrate --run-dir runs/denoise-quick --epsilon 0.1 --delta 0.1 --threads 1
     learn2stop denoise denoise   --run-dir runs/denoise-quick --denoise.input noisy.png
 
-The core runs the stages, calibration and the frontier (:mod:`learn2stop.core.pipeline`); the config,
+The core runs the stages, calibration and the frontier (:mod:`learn2stop.core.train`, :mod:`~learn2stop.core.deploy`, :mod:`~learn2stop.core.frontier`); the config,
 presets and data are in :mod:`.task`, the report in :mod:`.metrics`. Python API (the CLI calls these)::
 
     from learn2stop.tasks.denoise import preset, reproduce
@@ -22,7 +22,9 @@ import torch
 from ...core import FixedDepth, Metric, StoppingModel, derive_seed, run_with_early_exit
 from ...utils.seeding import drawing_from
 from ...core.trace import collect_trace, evaluate_rule
-from ...core.pipeline import Stage, StoppingApp, check_config, deployed_model, deployed_rule, load_stage, min_step_hook
+from ...core.task import Stage, StoppingApp, check_config
+from ...core.deploy import deployed_model, deployed_rule
+from ...core.train import load_stage, min_step_hook
 from ...core.rules import ToleranceSignal
 from ...utils.config import ConfigError, to_dict
 from ...utils.outputs import check_output_file, json_output, writing

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ...core.pipeline import MinStep
+from ...core.policies import MinStep
 
 #: elementwise operations per pixel of one call (copies, differences, absolute values, products, means).
 FLOPS_PER_PIXEL = 40

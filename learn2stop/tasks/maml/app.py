@@ -21,7 +21,9 @@ from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, Stopping
 from ...core.trace import collect_trace, evaluate_rule
 from ...core.objectives import stage_field
 from ...core.rules import FixedDepth, PatienceSignal
-from ...core.pipeline import Stage, StoppingApp, check_config, deployed_rule, load_stage, signal_key
+from ...core.task import Stage, StoppingApp, check_config, signal_key
+from ...core.deploy import deployed_rule
+from ...core.train import load_stage
 from ...utils.seeding import derive_seed
 from ...utils.config import ints_at_least, preset_config, require, to_dict
 from ...utils.report import write_json

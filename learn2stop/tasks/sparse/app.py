@@ -19,8 +19,9 @@ from ...core import Metric, StoppingModel, log_stop_time_distribution, stop_time
 from ...core.distributions import replanned_log_q
 from ...core.trace import collect_trace, evaluate_rule
 from ...core.loop import unroll
-from ...core.pipeline import (Stage, StoppingApp, check_config, deployed_rule, load_stage,
-                              min_step_hook, stop_model_trace)
+from ...core.task import Stage, StoppingApp, check_config, stop_model_trace
+from ...core.deploy import deployed_rule
+from ...core.train import load_stage, min_step_hook
 from ...core.rules import ToleranceSignal
 from ...utils.config import to_dict
 from ...utils.report import write_json

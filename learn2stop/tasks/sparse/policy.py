@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ...core.fastpath import NUMPY_ACTIVATIONS, NumpyCopies, numpy_eligible
-from ...core.pipeline import MinStep
+from ...core.policies import MinStep
 from ...runtime.rules import priced_argmax
 
 
