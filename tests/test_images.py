@@ -108,3 +108,54 @@ def test_every_task_reads_a_16_bit_png_the_same_way(tmp_path):
     (tmp_path / "bad.png").write_bytes(b"not a png")
     with pytest.raises(ImageDataError, match=r"bad\.png"):  # the task's own error class
         load_image_file(tmp_path / "bad.png", 8)
+
+
+def _with_orientation(arr, path, orientation, **save):
+    """Save ``arr`` (stored rows as given) with an EXIF orientation tag (0x0112)."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    Image.fromarray(arr).save(path, exif=exif, **save)
+
+
+# what a viewer does to the stored (H, W) pixels for each EXIF orientation
+UPRIGHT = {1: lambda a: a, 2: lambda a: a[:, ::-1], 3: lambda a: a[::-1, ::-1], 4: lambda a: a[::-1],
+           5: lambda a: a.T, 6: lambda a: np.rot90(a, -1), 7: lambda a: a[::-1, ::-1].T, 8: lambda a: np.rot90(a, 1)}
+
+
+@pytest.mark.parametrize("orientation", sorted(UPRIGHT))
+def test_an_image_is_read_the_way_up_its_exif_orientation_says(tmp_path, orientation):
+    """A phone photo stored sideways (10 wide, 30 tall) with orientation 6 is the 30x10 image a viewer shows; every
+    orientation places each pixel where a viewer does, and says so in a note."""
+    stored = (np.arange(30 * 10) % 251).astype(np.uint8).reshape(30, 10)  # (H, W) as stored, pixels told apart
+    _with_orientation(stored, tmp_path / "p.png", orientation)
+    img, notes = read_image(tmp_path / "p.png", channels=1)
+    want = UPRIGHT[orientation](stored)
+    assert img.shape == (1, *want.shape)
+    assert (to_uint8(img[0]) == want).all()
+    assert (any("EXIF orientation" in n for n in notes)) == (orientation != 1)
+
+
+def test_a_sideways_jpeg_photo_reads_upright_in_the_tasks_readers(tmp_path):
+    """``classify predict`` and ``denoise denoise`` read through utils.images: a JPEG stored 10x30 (W x H) with
+    orientation 6 is read 30 wide and 10 tall, its stored top-left corner at the top right; resized (classify's
+    square input) from the upright image."""
+    from learn2stop.tasks.classify.data import load_image_file
+    from learn2stop.tasks.denoise.data import load_image
+
+    stored = np.zeros((30, 10, 3), np.uint8)
+    stored[:5, :5] = 255  # a white block in the stored top-left corner
+    _with_orientation(stored, tmp_path / "photo.jpg", 6, quality=95)
+    grey = load_image(tmp_path / "photo.jpg")
+    assert grey.shape == (10, 30)
+    assert grey[:5, -5:].mean() > 0.9 and grey[:, :25].mean() < 0.05
+    rgb, notes = load_image_file(tmp_path / "photo.jpg", 10, in_channels=3)
+    assert rgb.shape == (3, 10, 10) and rgb[:, :3, -2:].mean() > 200 and rgb[:, :, :6].mean() < 10
+    assert any("stored as 10x30, read as 30x10" in n for n in notes)
+    assert any("resized from 30x10 to 10x10" in n for n in notes)
+
+
+def test_a_16_bit_png_is_turned_upright_at_its_full_depth(tmp_path):
+    ramp = (np.arange(6 * 4).reshape(6, 4) * 2000).astype(np.uint16)
+    _with_orientation(ramp, tmp_path / "r16.png", 8)
+    img, _ = read_image(tmp_path / "r16.png", channels=1)
+    np.testing.assert_allclose(img[0], np.rot90(ramp, 1) / 65535.0, atol=1e-7)

@@ -14,21 +14,33 @@ their own weights, as here, or shared ones) and any rule of the loop:
   keeps it per *slot*: a request holds one of ``capacity`` slots while it runs (``StepView.index``).
 
 Stop times and outputs equal :func:`~learn2stop.core.loop.run_with_early_exit`'s for every request (a test
-checks it); only the batching differs. ``benchmarks/streaming.py`` measures throughput and latency under a
-steady arrival rate against batching at full depth and batch-then-shrink.
+checks it); only the batching differs.
+
+A request is checked at the door: :meth:`~StreamingRunner.submit` refuses, with a ``ValueError`` naming the problem
+and nothing of the runner changed, inputs that hold NaN or inf, lack the batch dimension or hold more than one sample,
+or differ in structure, per-sample shape, dtype or device from the stream's first request (or from the model's
+declared ``input_shape`` / ``input_dtype``), and an ``arrived`` that is not a finite time, not later than the runner's
+clock. What can only fail later fails alone: a step call that raises is run again on each half of its batch, down
+to the request that raises, whose result carries the error (:class:`Finished`); the other requests of the tick go on,
+and its slot comes back. A policy that reports a NaN stop probability (``last_probs``) fails the requests it scored.
+
+``benchmarks/streaming.py`` measures throughput and latency under a steady arrival rate against batching at full
+depth and batch-then-shrink.
 """
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from .loop import StepView, _readout, _step, as_stop_rule, check_stepwise
-from .trees import batch_size, tree_cat, tree_leaves, tree_map, tree_select
+from .trees import batch_size, check_batch_first, check_inputs, tree_cat, tree_leaves, tree_map, tree_select
 
 
 @dataclass
@@ -63,43 +75,126 @@ def _merge(chunks: list[_Chunk]) -> _Chunk:
                   [a for c in chunks for a in c.arrived])
 
 
+def _rows_of(c: _Chunk, mask: Tensor, k: int) -> _Chunk | None:
+    """The rows of ``c`` where ``mask`` holds, ``k`` of them (counted already: no host synchronisation here)."""
+    return None if k == 0 else c if k == len(c) else c.take(mask.nonzero().squeeze(1))
+
+
+class RequestFailed(RuntimeError):
+    """Raised when the output or stop step of a request that failed inside ``tick()`` is read; its ``__cause__`` is
+    the request's own error (also :attr:`Finished.error`)."""
+
+
 @dataclass
 class Finished:
-    """A request's result: its output (batch of one), 1-based stop step, and its arrival and finish times."""
+    """A request's result: its output (batch of one), 1-based stop step, and its arrival and finish times.
 
-    output: Any
-    stop_time: int
+    A request that failed inside ``tick()`` (its model step or its rule raised, or its policy scored it NaN) is
+    done too: ``error`` holds its exception and ``step`` the step it failed at, and reading ``output`` or
+    ``stop_time`` raises :class:`RequestFailed` from that error, so that a failure is never read as a result.
+    """
+
+    value: Any  # the output; None for a failed request
+    step: int  # the stop step, or the step at which the request failed
     arrived: float
     finished: float
+    error: Exception | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise RequestFailed(f"this request failed at step {self.step}: "
+                                f"{type(self.error).__name__}: {self.error}") from self.error
+
+    @property
+    def output(self) -> Any:
+        self._check()
+        return self.value
+
+    @property
+    def stop_time(self) -> int:
+        self._check()
+        return self.step
 
     @property
     def latency(self) -> float:
         return self.finished - self.arrived
 
 
+def _tree_items(tree: Any, path: str = "inputs") -> Iterator[tuple[str, Any]]:
+    """(path, leaf) of every leaf of a tree, tensors and other values alike, e.g. ``inputs['support'][0]``."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _tree_items(v, f"{path}[{k!r}]")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _tree_items(v, f"{path}[{i}]")
+    else:
+        yield path, tree
+
+
+def _describe(leaf: Any) -> tuple:
+    """What must agree between the requests of one stream, per leaf: a tensor's per-sample shape, dtype and
+    device (rows of different ones cannot share a step call); any other value's type and value (a batch of
+    requests runs with the first one's)."""
+    if isinstance(leaf, Tensor):
+        return ("tensor", tuple(leaf.shape[1:]), leaf.dtype, leaf.device)
+    return ("value", type(leaf).__name__, repr(leaf)[:80])
+
+
+def _differences(spec: dict[str, tuple], want: dict[str, tuple], source: str) -> str | None:
+    """The first way a request's leaves (``spec``) differ from ``want`` (the stream's first request, or the model's
+    declared input), in words; None when they agree."""
+    if spec.keys() != want.keys():
+        return f"the request's inputs have the leaves {', '.join(sorted(spec))}; {source} has {', '.join(sorted(want))}"
+    for path, (kind, *got) in spec.items():
+        w_kind, *w = want[path]
+        if kind != w_kind:
+            return f"{path} is a {'tensor' if kind == 'tensor' else got[0]}, in {source} a " \
+                   f"{'tensor' if w_kind == 'tensor' else w[0]}"
+        if kind == "value":
+            if got != w:
+                return f"{path} is {got[1]}, in {source} {w[1]}"
+            continue
+        for name, g, e in zip(("per-sample shape", "dtype", "device"), got, w):
+            if e is not None and g != e:
+                return f"{path} has {name} {g}, {source} {e}"
+    return None
+
+
 class StreamingRunner:
     """Serve requests one by one with per-step queues (see the module's text).
 
     Args:
-        model: a step-wise model.
-        rule: a stop rule of the loop (one instance serves the whole stream).
+        model: a step-wise model. If it declares ``input_shape`` (the per-sample shape of its one input tensor) and
+            ``input_dtype``, as :func:`~learn2stop.core.exits.attach_exits`'s networks do, requests are checked
+            against them from the first one on.
+        rule: a stop rule of the loop (one instance serves the whole stream). A rule that raises is expected to
+            leave its memory as it was (the core's rules do), since the step is then run again on fewer requests.
         max_batch: most requests per step call.
         capacity: most requests in flight (each holds a slot of the rule's memory); ``submit`` refuses more.
+        clock: the time in seconds, for arrivals, finishes and latencies (``time.perf_counter`` by default).
 
     Example:
         >>> runner = StreamingRunner(sm.model, rule, max_batch=64)        # doctest: +SKIP
         >>> rid = runner.submit(x[:1])            # any time; then, as often as the server can:
         >>> runner.tick()                          # one step for one queue's oldest requests
-        >>> runner.finished[rid].output, runner.finished[rid].stop_time
+        >>> runner.finished[rid].output, runner.finished[rid].stop_time   # (raises if the request failed)
     """
 
-    def __init__(self, model: Any, rule: Any, max_batch: int = 64, capacity: int = 4096):
+    def __init__(self, model: Any, rule: Any, max_batch: int = 64, capacity: int = 4096,
+                 clock: Callable[[], float] = time.perf_counter):
         check_stepwise(model)
         rule = as_stop_rule(rule)
         for name, v in (("max_batch", max_batch), ("capacity", capacity)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {v!r}")
-        self.model, self.rule, self.max_batch, self.capacity = model, rule, max_batch, capacity
+        if not callable(clock):
+            raise TypeError(f"clock must be a function returning the time in seconds; got {clock!r}")
+        self.model, self.rule, self.max_batch, self.capacity, self.clock = model, rule, max_batch, capacity, clock
         self.T = model.num_steps
         self.plan_step = rule.plan_step
         self.replan_step = rule.replan_step if self.plan_step is not None else None
@@ -107,37 +202,89 @@ class StreamingRunner:
         self.reads = rule.read_steps(self.T)  # as the loop; a planned request that stops elsewhere is read alone
         self.queues: list[deque[_Chunk]] = [deque() for _ in range(self.T)]  # queues[t]: ran t steps
         self._rows = [0] * self.T  # requests in each queue (kept as they come and go: a tick must not count them)
-        self.finished: dict[int, Finished] = {}
+        self.finished: dict[int, Finished] = {}  # every request done: stopped, or failed (Finished.error)
         self._free = list(range(capacity - 1, -1, -1))
         self._next_id = 0
-        self.steps_run = 0  # step calls
-        self.rows_run = 0  # sample-steps computed
+        self.steps_run = 0  # step calls that moved requests on
+        self.rows_run = 0  # sample-steps computed for them
+        self._declared = self._declared_input(model)  # what the model says it takes, if it says
+        self._first_spec: dict[str, tuple] | None = None  # the stream's first request's leaves
+
+    @staticmethod
+    def _declared_input(model: Any) -> dict[str, tuple] | None:
+        shape = getattr(model, "input_shape", None)
+        if not isinstance(shape, tuple):
+            return None
+        dtype = getattr(model, "input_dtype", None)
+        return {"inputs": ("tensor", tuple(shape), dtype if isinstance(dtype, torch.dtype) else None, None)}
 
     @property
     def in_flight(self) -> int:
         return sum(self._rows)
 
+    @property
+    def free_slots(self) -> int:
+        """Slots a new request can take; ``in_flight + free_slots == capacity`` at every moment between calls."""
+        return len(self._free)
+
     def _push(self, t: int, c: _Chunk, front: bool = False) -> None:
         (self.queues[t].appendleft if front else self.queues[t].append)(c)
         self._rows[t] += len(c)
 
-    def submit(self, inputs: Any, arrived: float | None = None) -> int:
-        """Queue one request (batch-first inputs of one sample); its id. ``arrived``: its arrival time
-        (``time.perf_counter()`` by default), for the latency."""
+    def _check_request(self, inputs: Any, arrived: Any) -> tuple[dict[str, tuple], float]:
+        """The request's leaves and its arrival time, or a ValueError naming what is wrong with it."""
+        if arrived is not None:
+            if isinstance(arrived, bool) or not isinstance(arrived, numbers.Real):
+                raise ValueError(f"arrived must be a time in seconds on the runner's clock (a real number); "
+                                 f"got {type(arrived).__name__} {arrived!r}")
+            arrived = float(arrived)
+            if not math.isfinite(arrived):
+                raise ValueError(f"arrived must be a finite time in seconds; got {arrived!r}")
+        now = self.clock()
+        if arrived is None:
+            arrived = now
+        elif arrived > now:
+            raise ValueError(f"arrived ({arrived!r}) is in the future of the runner's clock ({now!r}); a request is "
+                             "submitted when it has arrived (the clock is time.perf_counter unless given)")
+        try:
+            check_inputs(inputs, "the request's inputs")
+        except TypeError as e:  # one class for every refused request, so that a server catches one
+            raise ValueError(str(e)) from None
+        check_batch_first(inputs)
+        scalars = [path for path, leaf in _tree_items(inputs) if isinstance(leaf, Tensor) and leaf.dim() == 0]
+        if scalars:
+            raise ValueError(f"{scalars[0]} is a 0-dim tensor: a request's tensors are batch-first, (1, ...)")
         if batch_size(inputs) != 1:
             raise ValueError(f"submit takes one request (batch size 1); got batch size {batch_size(inputs)}")
+        spec = {path: _describe(leaf) for path, leaf in _tree_items(inputs)}
+        for want, source in ((self._declared, f"the model's declared input ({type(self.model).__name__}.input_shape)"),
+                             (self._first_spec, "the stream's first request")):
+            problem = None if want is None else _differences(spec, want, source)
+            if problem:
+                raise ValueError(f"submit refused a request unlike the stream's others: {problem}")
+        return spec, arrived
+
+    def submit(self, inputs: Any, arrived: float | None = None) -> int:
+        """Queue one request (batch-first inputs of one sample); its id. ``arrived``: its arrival time on the
+        runner's clock (now by default; not later than now), for the latency and the order of the queues.
+
+        A bad request is refused with a ``ValueError`` naming the problem, the runner unchanged (see the module's
+        text); a full stream with a ``RuntimeError`` (``tick()`` first)."""
+        spec, arrived = self._check_request(inputs, arrived)
         if not self._free:
             raise RuntimeError(f"the stream holds {self.capacity} requests in flight (capacity); tick() first")
+        if self._first_spec is None:
+            self._first_spec = spec
         rid, self._next_id = self._next_id, self._next_id + 1
         slot = self._free.pop()
         device = tree_leaves(inputs)[0].device
-        self._push(0, _Chunk([rid], torch.tensor([slot], device=device), inputs,
-                             arrived=[time.perf_counter() if arrived is None else arrived]))
+        self._push(0, _Chunk([rid], torch.tensor([slot], device=device), inputs, arrived=[arrived]))
         return rid
 
     def tick(self) -> int:
         """Run one step for up to ``max_batch`` requests of one queue (one that fills a batch, else the
-        oldest request's, and among several the one whose head arrived first); returns how many requests it finished (0 when every queue is empty)."""
+        oldest request's, and among several the one whose head arrived first); returns how many requests it
+        finished, failed ones included (0 when every queue is empty). A request that fails does so alone."""
         waiting = [t for t in range(self.T) if self.queues[t]]
         if not waiting:
             return 0
@@ -153,8 +300,11 @@ class StreamingRunner:
                 c = c.take(slice(0, self.max_batch - n))
             picked.append(c)
             n += len(c)
-        batch = _merge(picked)
         with torch.no_grad():
+            try:
+                batch = _merge(picked)
+            except Exception:  # states that cannot be batched (a model whose state's shape depends on the input)
+                return sum(self._advance(c, t0 + 1) for c in picked)
             return self._advance(batch, t0 + 1)
 
     def run_until_idle(self) -> None:
@@ -162,45 +312,102 @@ class StreamingRunner:
             pass
 
     def _advance(self, c: _Chunk, t: int) -> int:
-        model, T = self.model, self.T
-        if t == 1:
-            if self.plan_step == 0:
-                c.planned = self.rule.plan(StepView(0, T, c.inputs, None, None, None, c.slots)).clamp(1, T)
-            c.state = model.initial_state(c.inputs)
-        previous = c.output
-        c.state, c.output = _step(model, t, c.state, c.inputs, read=t in self.reads)
+        """Run step t for the requests of ``c`` and move them on: finished, failed, or queued at t. A step that
+        raises is run again on each half of ``c``, down to the request that raises, which fails with its error
+        (what ran before the raise is discarded: ``_step_chunk`` changes nothing of the runner). Returns how many
+        requests finished or failed."""
+        try:
+            done, going, bad = self._step_chunk(c, t)
+        except Exception as e:
+            if len(c) == 1:
+                return self._fail(c, t, e)
+            half = len(c) // 2
+            return self._advance(c.take(slice(0, half)), t) + self._advance(c.take(slice(half, None)), t)
         self.steps_run += 1
         self.rows_run += len(c)
+        n = 0
+        if bad is not None:
+            n += self._fail(bad, t, ValueError(f"the stop rule's policy scored this request NaN at step {t} "
+                                               "(a NaN stop logit): it cannot decide when to stop"))
+        if done is not None:
+            n += self._finish(done, t)
+        if going is not None:
+            self._push(t, going)
+        return n
+
+    def _step_chunk(self, c: _Chunk, t: int) -> tuple[_Chunk | None, _Chunk | None, _Chunk | None]:
+        """Step t of ``c`` and the rule's decision, changing nothing of the runner or of ``c``: the requests that
+        stop here (read out), those that go on, and those the policy scored NaN (each None when empty)."""
+        model, T, rule = self.model, self.T, self.rule
+        planned, state = c.planned, c.state
+        if t == 1:
+            if self.plan_step == 0:
+                planned = self._checked_plan(rule.plan(StepView(0, T, c.inputs, None, None, None, c.slots)), c, 1)
+            state = model.initial_state(c.inputs)
+        previous = c.output
+        state, output = _step(model, t, state, c.inputs, read=t in self.reads)
+        c = _Chunk(c.ids, c.slots, c.inputs, state, output, planned, c.arrived)
+        bad = None
         if t == T:
-            return self._finish(c, T)
-        if t == self.plan_step:
-            c.planned = self.rule.plan(StepView(t, T, c.inputs, c.output, None, c.state, c.slots)).clamp(t, T)
-        elif t == self.replan_step:  # the requests planned past this step are planned again, from the run so far
-            late = c.planned > t
-            if bool(late.any()):
-                again = self.rule.replan(StepView(t, T, c.inputs, c.output, previous, c.state, c.slots)).clamp(t, T)
-                c.planned = torch.where(late, again, c.planned)
-        if c.planned is not None:
+            stop = None  # all stop
+        elif t == self.plan_step:
+            c.planned = self._checked_plan(rule.plan(StepView(t, T, c.inputs, output, None, state, c.slots)), c, t)
+            stop = c.planned == t
+        elif c.planned is not None:
+            if t == self.replan_step:  # the requests planned past this step are planned again, from the run so far
+                late = c.planned > t
+                if bool(late.any()):
+                    again = self._checked_plan(rule.replan(StepView(t, T, c.inputs, output, previous, state, c.slots)),
+                                               c, t)
+                    c.planned = torch.where(late, again, c.planned)
             stop = c.planned == t
         elif t >= self.first:
-            stop = self.rule(StepView(t, T, c.inputs, c.output, previous, c.state, c.slots))
+            before = rule.last_probs
+            stop = rule(StepView(t, T, c.inputs, output, previous, state, c.slots))
+            if not isinstance(stop, Tensor) or stop.shape != (len(c),) or stop.dtype != torch.bool:
+                raise ValueError(f"a stop rule must return a bool tensor of shape ({len(c)},); got "
+                                 + (f"{stop.dtype} {tuple(stop.shape)}" if isinstance(stop, Tensor) else repr(stop)))
+            probs = rule.last_probs  # reported by a policy rule: NaN is no decision
+            if probs is not before and isinstance(probs, Tensor) and probs.shape == stop.shape:
+                bad = torch.isnan(probs)
         else:
-            self._push(t, c)
-            return 0
-        n_stop = int(stop.sum())
-        if n_stop == len(c):
-            return self._finish(c, t)
-        if n_stop:
-            self._finish(c.take(stop.nonzero().squeeze(1)), t)
-            c = c.take((~stop).nonzero().squeeze(1))
-        self._push(t, c)
-        return n_stop
+            return None, c, None
+        if stop is None:
+            return self._read(c, t), None, None
+        counts = torch.stack([stop.sum(), bad.sum()]).tolist() if bad is not None else [int(stop.sum()), 0]
+        n_stop, n_bad = counts  # one host synchronisation
+        if n_bad:
+            stop = stop & ~bad
+            n_stop = int(stop.sum())
+        n_go = len(c) - n_stop - n_bad
+        done = _rows_of(c, stop, n_stop)
+        going = _rows_of(c, ~stop if bad is None else ~stop & ~bad, n_go)
+        return None if done is None else self._read(done, t), going, _rows_of(c, bad, n_bad) if n_bad else None
+
+    def _checked_plan(self, times: Any, c: _Chunk, low: int) -> Tensor:
+        """A planning rule's stop steps for the rows of ``c``, clamped to ``low``..T."""
+        if not isinstance(times, Tensor) or times.shape != (len(c),) or times.is_floating_point():
+            raise ValueError(f"a planning rule must return integer stop steps of shape ({len(c)},); got "
+                             + (f"{times.dtype} {tuple(times.shape)}" if isinstance(times, Tensor) else repr(times)))
+        return times.clamp(low, self.T)
+
+    def _read(self, c: _Chunk, t: int) -> _Chunk:
+        """``c`` with its output at step t: planned requests are read out at their stop step only."""
+        if c.output is None:
+            c = _Chunk(c.ids, c.slots, c.inputs, c.state, _readout(self.model, t, c.state, c.inputs), c.planned,
+                       c.arrived)
+        return c
 
     def _finish(self, c: _Chunk, t: int) -> int:
-        if c.output is None:  # planned requests are read out at their stop step only
-            c.output = _readout(self.model, t, c.state, c.inputs)
-        now = time.perf_counter()
+        now = self.clock()
         for i, (rid, arrived) in enumerate(zip(c.ids, c.arrived)):
             self.finished[rid] = Finished(tree_map(lambda x, i=i: x[i:i + 1], c.output), t, arrived, now)
+        self._free.extend(c.slots.tolist())
+        return len(c)
+
+    def _fail(self, c: _Chunk, t: int, error: Exception) -> int:
+        now = self.clock()
+        for rid, arrived in zip(c.ids, c.arrived):
+            self.finished[rid] = Finished(None, t, arrived, now, error)
         self._free.extend(c.slots.tolist())
         return len(c)

@@ -3,8 +3,10 @@
 :func:`read_image` returns float32 (C, H, W) in [0, 1] whatever the file holds: 8-bit images are
 divided by 255, 16-bit ones (PNG, TIFF) by 65535, float images (TIFF) are taken as they are when they
 lie in [0, 1] and otherwise rescaled by their maximum, with a note. Colour is converted to grey or RGB
-as asked (with a note), and an image of another size is resized (with a note) or refused. A file too
-large to decode safely (a "decompression bomb") is refused from its header, before any pixel is read.
+as asked (with a note), and an image of another size is resized (with a note) or refused. A photo is read
+the way up a viewer shows it: its EXIF orientation (a camera's sideways or mirrored rows) is applied first,
+with a note, so that sizes, resizing and pixels are those of the upright image. A file too large to decode
+safely (a "decompression bomb") is refused from its header, before any pixel is read.
 :func:`list_image_files` lists a folder's image files, skipping hidden files (``.DS_Store``, ``._a.png``).
 
 Every problem raises the caller's error class (default :class:`ImageReadError`) with a one-line
@@ -27,6 +29,12 @@ import numpy as np
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 #: more pixels than this are refused (Pillow's own bomb limit is 89 Mpixels; a 20k x 20k image is 400).
 MAX_PIXELS = 100_000_000
+
+#: the EXIF orientation tag, and what each of its values other than 1 (as stored) asks a viewer to do.
+_ORIENTATION = 0x0112
+_TURNS = {2: "mirrored left to right", 3: "turned 180 degrees", 4: "flipped top to bottom",
+          5: "mirrored along its main diagonal", 6: "turned 90 degrees clockwise",
+          7: "mirrored along its other diagonal", 8: "turned 90 degrees anticlockwise"}
 
 _RESAMPLE = {"bilinear": "BILINEAR", "lanczos": "LANCZOS", "bicubic": "BICUBIC", "nearest": "NEAREST"}
 
@@ -104,7 +112,7 @@ def read_image(path: str | os.PathLike, channels: int = 3, size: int | None = No
         max_pixels: larger images are refused from their header, before decoding.
         error: the exception class raised (a task's own data error).
     """
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     path = Path(path)
     if channels not in (1, 3):
@@ -126,6 +134,16 @@ def read_image(path: str | os.PathLike, channels: int = 3, size: int | None = No
             if w == 0 or h == 0:
                 raise error(f"{path} is an empty {w}x{h} image")
             im.load()  # decode now: a truncated file fails here, naming it
+            try:
+                orientation = im.getexif().get(_ORIENTATION, 1)
+            except Exception as e:  # unreadable EXIF: the pixels are still there, as stored
+                orientation = 1
+                notes.append(f"{path}: its EXIF metadata cannot be read ({e}); read as stored")
+            if orientation in _TURNS:  # upright, as a viewer shows it; 1 (or a bad value) is as stored
+                ImageOps.exif_transpose(im, in_place=True)
+                notes.append(f"{path}: turned upright by its EXIF orientation {orientation} ({_TURNS[orientation]}); "
+                             f"stored as {w}x{h}, read as {im.size[0]}x{im.size[1]}")
+                w, h = im.size
             high = im.mode.startswith("I") or im.mode == "F"
             if high:
                 arr = _to_float(im, path, notes, error)[..., None]  # (H, W, 1)
