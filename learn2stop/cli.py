@@ -27,11 +27,11 @@ from .utils.config import (ConfigError, add_config_arguments, closest, from_dict
 
 #: what the commands every task has do (a task's own command says it in its docstring)
 COMMANDS = {
-    "train": "train the task's stages into a run directory; resumes what exists",
-    "evaluate": "the trained run on the test set with the deployed rule: tables and figures",
-    "reproduce": "train, deploy the rule calibrated to keep full depth's quality, evaluate",
-    "calibrate": "fit a stop rule to a target: --budget (mean cost) or --epsilon (a risk bound)",
-    "frontier": "quality against mean steps and wall-clock time, every rule of the task side by side",
+    "train": "Train the task's stages into a run directory; resumes what exists",
+    "evaluate": "The trained run on the test set with the deployed rule: tables and figures",
+    "reproduce": "Train, deploy the rule calibrated to keep full depth's quality, evaluate",
+    "calibrate": "Fit a stop rule to a target: --budget (mean cost) or --epsilon (a risk bound)",
+    "frontier": "Quality against mean steps and wall-clock time, every rule of the task side by side",
     "export": "ONNX graphs and a manifest to serve the run without torch (--out)",
 }
 #: the flags of every command, as ``learn2stop <task> --help`` shows them
@@ -56,10 +56,10 @@ def _overview() -> str:
     lines += ["", "commands:"]
     lines += [f"  {c:<11}{about}" for c, about in COMMANDS.items()]
     lines += [f"  {c:<11}({s.name}) {_command_summary(s, c)}" for s in specs for c in s.commands if c not in COMMANDS]
-    lines += [f"  {'list':<11}the tasks with their commands and presets", "",
-              "learn2stop <task> --help              a task's commands, presets and main flags",
-              "learn2stop <task> <command> --help    every flag of a command, with its help and default",
-              "learn2stop --version                  the installed version"]
+    lines += [f"  {'list':<11}The tasks with their commands and presets", "",
+              "learn2stop <task> --help              A task's commands, presets and main flags",
+              "learn2stop <task> <command> --help    Every flag of a command, with its help and default",
+              "learn2stop --version                  The installed version"]
     return "\n".join(lines)
 
 
