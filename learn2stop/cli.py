@@ -1,20 +1,86 @@
-"""The ``learn2stop`` command: ``learn2stop <task> <command> [--preset P] [--config F.yaml] [--field.x V]``.
+"""The ``learn2stop`` command: ``learn2stop <task> <command> [--preset P] [--config F.yaml] [--section.field V]``.
 
 Examples:
     learn2stop list
     learn2stop sparse reproduce --preset quick
     learn2stop sparse train --preset paper --run-dir runs/paper --stage1.lr 1e-4
+    learn2stop sparse train --help
     torchrun --nproc_per_node 4 -m learn2stop sparse train --preset paper
+
+``learn2stop --help`` and ``learn2stop <task> --help`` are short; ``learn2stop <task> <command> --help`` lists every
+flag of that command, each config field's with its docstring and its value under the preset. A mistyped task,
+command or flag is refused in one line with the nearest name.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
+from typing import NoReturn
 
-from .tasks.base import TRAINING_COMMANDS, CommandOptions, RunContext, get_task, list_tasks
+from . import __version__
+from .tasks.base import OPTION_READERS, TRAINING_COMMANDS, CommandOptions, RunContext, get_task, list_tasks
 from .utils.checkpoint import CheckpointError
-from .utils.config import ConfigError, add_config_arguments, overrides_from_args, resolve
+from .utils.config import (ConfigError, add_config_arguments, closest, from_dict, merge_layers, overrides_from_args,
+                           resolve, to_dict)
+
+#: what the commands every task has do (a task's own command says it in its docstring)
+COMMANDS = {
+    "train": "Train the task's stages into a run directory; resumes what exists",
+    "evaluate": "The trained run on the test set with the deployed rule: tables and figures",
+    "reproduce": "Train, deploy the rule calibrated to keep full depth's quality, evaluate",
+    "calibrate": "Fit a stop rule to a target: --budget (mean cost) or --epsilon (a risk bound)",
+    "frontier": "Quality against mean steps and wall-clock time, every rule of the task side by side",
+    "export": "ONNX graphs and a manifest to serve the run without torch (--out)",
+}
+#: the flags of every command, as ``learn2stop <task> --help`` shows them
+MAIN_FLAGS = ("--preset", "--config", "--run-dir", "--device", "--threads", "--print-config")
+
+
+def _summary(doc: str | None) -> str:
+    """The first sentence of a docstring, on one line."""
+    text = " ".join((doc or "").strip().split("\n\n")[0].split()).replace("``", "")
+    return text.split(". ")[0].rstrip(".")
+
+
+def _command_summary(spec, command: str) -> str:
+    return _summary(spec.commands[command].__doc__) or COMMANDS.get(command, "")
+
+
+def _overview() -> str:
+    """``learn2stop --help``: the tasks and the commands, one line each."""
+    specs = [get_task(n) for n in list_tasks()]
+    lines = ["usage: learn2stop <task> <command> [flags]", "", "tasks:"]
+    lines += [f"  {s.name:<11}{s.description}" for s in specs]
+    lines += ["", "commands:"]
+    lines += [f"  {c:<11}{about}" for c, about in COMMANDS.items()]
+    lines += [f"  {c:<11}({s.name}) {_command_summary(s, c)}" for s in specs for c in s.commands if c not in COMMANDS]
+    lines += [f"  {'list':<11}The tasks with their commands and presets", "",
+              "learn2stop <task> --help              A task's commands, presets and main flags",
+              "learn2stop <task> <command> --help    Every flag of a command, with its help and default",
+              "learn2stop --version                  The installed version"]
+    return "\n".join(lines)
+
+
+def _task_help(spec) -> str:
+    """``learn2stop <task> --help``: the task's commands, presets and the flags most runs use."""
+    parser = build_parser(spec.name, "train")
+    actions = {a.option_strings[0]: a for a in parser._actions if a.option_strings}
+    sections = [n.split(".")[0] for n in actions if n.count(".") >= 1]
+    lines = [f"usage: learn2stop {spec.name} <command> [flags]", "", spec.description, "", "commands:"]
+    lines += [f"  {c:<11}{_command_summary(spec, c)}" for c in spec.commands]
+    lines += ["", f"presets: {', '.join(spec.presets)} (default {spec.default_preset})", "", "main flags:"]
+    for flag in MAIN_FLAGS:
+        a = actions[flag]
+        name = f"{flag} {a.metavar}" if a.metavar else flag
+        lines.append(f"  {name:<22}{a.help.replace('%%', '%')}")
+    lines += textwrap.wrap(f"any config field, e.g. --stage1.lr 1e-3; sections: "
+                           f"{', '.join(dict.fromkeys(s[2:] for s in sections))}", 100,
+                           initial_indent=f"  {'--SECTION.FIELD V':<22}", subsequent_indent=" " * 24)
+    lines += ["",
+              f"learn2stop {spec.name} <command> --help lists every flag of a command, with its help and default."]
+    return "\n".join(lines)
 
 
 def _list() -> int:
@@ -26,56 +92,125 @@ def _list() -> int:
     return 0
 
 
-def build_parser(task_name: str) -> argparse.ArgumentParser:
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line and a pointer to ``--help``, not the usage of 130 flags, and whose
+    unknown flags get the nearest known one."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n  ({self.prog} --help lists its flags)\n")
+
+    def parse_args(self, args=None, namespace=None) -> argparse.Namespace:  # type: ignore[override]
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:
+            word = extra[0]
+            if not word.startswith("-"):
+                self.error(f"unexpected argument {word!r}")
+            flag = word.split("=", 1)[0]
+            self.error(f"unknown flag {flag}{_did_you_mean(flag, self._option_string_actions, quote=False)}")
+        return ns
+
+
+def build_parser(task_name: str, command: str, preset: str | None = None) -> argparse.ArgumentParser:
+    """The flags of ``learn2stop <task> <command>``: the shared ones, the command options (those another command
+    reads are accepted, refused later by name, and left out of ``--help``), one per config field with its
+    docstring and its value under ``preset`` (default: the task's)."""
     spec = get_task(task_name)
-    parser = argparse.ArgumentParser(prog=f"learn2stop {task_name}", description=spec.description)
-    parser.add_argument("command", choices=sorted(spec.commands), help="what to run")
-    parser.add_argument("--preset", default=spec.default_preset, help=f"one of: {', '.join(spec.presets)}")
-    parser.add_argument("--config", default=None, help="YAML file of config fields (applied over the preset)")
-    parser.add_argument("--run-dir", default=None, help="output folder (default runs/<task>-<preset>)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--threads", type=int, default=None,
+    preset = preset if preset in spec.presets else spec.default_preset
+    parser = _Parser(prog=f"learn2stop {task_name} {command}", usage="%(prog)s [flags]",
+                     description=_command_summary(spec, command),
+                     formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=40),
+                     allow_abbrev=False)  # a prefix of one field's flag would silently stop working once another shares it
+    parser.add_argument("--preset", default=spec.default_preset, metavar="P",
+                        help=f"the settings to start from: {', '.join(spec.presets)} (default {spec.default_preset})")
+    parser.add_argument("--config", default=None, metavar="F.yaml",
+                        help="YAML file of config fields, applied over the preset (flags apply over it)")
+    parser.add_argument("--run-dir", default=None, metavar="DIR", help=f"output folder (default runs/{task_name}-<preset>)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], metavar="D",
+                        help="auto (cuda if present), cpu or cuda")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="CPU threads for torch (default: torch's choice; 1 is far faster on a busy machine)")
-    parser.add_argument("--no-resume", action="store_true", help="start stages afresh even if checkpoints exist")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    cal = parser.add_argument_group("calibrate and frontier")
-    cal.add_argument("--budget", type=float, default=None,
-                     help="calibrate: mean steps (or cost) at most this fraction of full depth, in (0, 1]")
-    cal.add_argument("--epsilon", type=float, default=None,
-                     help="calibrate: the metric may be worse than full depth by at most this (risk control)")
-    cal.add_argument("--delta", type=float, default=None,
-                     help="calibrate: the bound holds with probability >= 1 - delta (default 0.1)")
-    cal.add_argument("--rule", default=None, help="calibrate: which rule (default: inference.rule)")
-    cal.add_argument("--fastest", action="store_true",
-                     help="calibrate: every rule of the task (the policy's, the classical ones, a fixed depth) for the "
-                          "target, timed side by side on this machine; keep the fastest")
-    cal.add_argument("--speed-batch", type=int, default=None,
-                     help="calibrate --fastest: the batch size at which the rules are timed (default: the task's)")
-    cal.add_argument("--no-speed", action="store_true", help="frontier: skip the wall-clock measurements")
-    cal.add_argument("--backend", default=None,
-                     help="evaluate, frontier: where early exit runs: torch (default), compile (torch.compile), stream "
-                          "(the streaming runner: freed rows refilled at every step) or onnxruntime (the exported "
-                          "graphs); frontier takes several, comma-separated, side by side")
-    parser.add_argument("--out", default=None, help="export: folder for the ONNX graphs and manifest (new, or an earlier export)")
-    add_config_arguments(parser, spec.config_class)
+    options = parser.add_argument_group(f"options of {command}")
+
+    def option(flag: str, **kw) -> None:
+        readers = OPTION_READERS.get(flag[2:].replace("-", "_"), TRAINING_COMMANDS)
+        options.add_argument(flag, **{**kw, **({} if command in readers else {"help": argparse.SUPPRESS})})
+
+    option("--no-resume", action="store_true", help="start the stages afresh (the earlier run's files are moved aside)")
+    option("--budget", type=float, default=None, metavar="B",
+           help="mean steps (or cost) at most this fraction of full depth, in (0, 1]")
+    option("--epsilon", type=float, default=None, metavar="E",
+           help="the metric may be worse than full depth's by at most this (risk control)")
+    option("--delta", type=float, default=None, metavar="D",
+           help="with --epsilon: the bound holds with probability >= 1 - delta (default 0.1)")
+    option("--rule", default=None, metavar="R", help="which rule (default: inference.rule)")
+    option("--fastest", action="store_true", help="every rule of the task (the policy's, the classical ones, a fixed "
+                                                  "depth) calibrated and timed side by side on this machine; keep the fastest")
+    option("--speed-batch", type=int, default=None, metavar="N",
+           help="with --fastest: the batch size at which the rules are timed (default: the task's)")
+    option("--no-speed", action="store_true", help="skip the wall-clock measurements")
+    option("--backend", default=None, metavar="B",
+           help="where early exit runs: torch (default), compile (torch.compile), stream (the streaming runner: freed "
+                "rows refilled at every step) or onnxruntime (the exported graphs); frontier takes several, "
+                "comma-separated, side by side")
+    option("--out", default=None, metavar="DIR", help="folder for the ONNX graphs and manifest (new, or an earlier export)")
+    add_config_arguments(parser, spec.config_class, to_dict(resolve(spec.config_class, spec.presets[preset])))
     return parser
 
 
-def check_command_options(args: argparse.Namespace, spec, cfg) -> CommandOptions:
-    """The command's options, typed and checked (:class:`CommandOptions`), and its rules the task's own, before
-    any run directory is touched."""
+def _fail(prog: str, message: str, see: str) -> int:
+    print(f"{prog}: error: {message}\n  ({see})", file=sys.stderr)
+    return 2
+
+
+def _did_you_mean(word: str, choices, quote: bool = True) -> str:
+    """"; did you mean 'x'?" for the nearest choice (a flag unquoted), or "" if none is near."""
+    guess = closest(word, choices)
+    if guess is None:
+        return ""
+    return f"; did you mean {guess!r}?" if quote else f"; did you mean {guess}?"
+
+
+def _preset_asked(args: list[str]) -> str | None:
+    """The value of ``--preset`` among the flags, before parsing (``--help`` shows that preset's values)."""
+    for i, a in enumerate(args):
+        if a.startswith("--preset="):
+            return a.split("=", 1)[1]
+        if a == "--preset" and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+def _resolve(spec, args: argparse.Namespace):
+    """The config of the preset, ``--config`` and the field flags. Its rule is checked once, on this config, by
+    :func:`check_command_options`; but when the config is refused for ``inference.param``, a rule the task lacks is
+    the mistake to name (another rule's parameter range says nothing useful)."""
+    data = merge_layers(spec.config_class, spec.presets[args.preset], args.config, overrides_from_args(args))
+    try:
+        return from_dict(spec.config_class, data)
+    except ConfigError as e:
+        if e.field == "inference.param" and spec.app is not None:
+            from .core.task import check_rule
+
+            check_rule(spec.app, spec.config_class(), data["inference"]["rule"], "inference.rule", spec.name)
+        raise
+
+
+def check_command_options(args: argparse.Namespace, spec, cfg, command: str) -> CommandOptions:
+    """The command's options, typed and checked (:class:`CommandOptions`), and its rules the task's own (checked
+    here only, on the resolved config: a rule can depend on it), before any run directory is touched."""
     from .core.task import check_rule
 
-    options = CommandOptions(command=args.command, budget=args.budget, epsilon=args.epsilon, delta=args.delta,
+    options = CommandOptions(command=command, budget=args.budget, epsilon=args.epsilon, delta=args.delta,
                              rule=args.rule, fastest=args.fastest, speed_batch=args.speed_batch,
                              no_speed=args.no_speed, backend=args.backend, out=args.out)
-    if args.no_resume and args.command not in TRAINING_COMMANDS:
-        raise ConfigError(f"--no-resume: only the {' and '.join(repr(c) for c in TRAINING_COMMANDS)} command(s) read it; "
-                          f"'{args.command}' would ignore it")
+    if args.no_resume and command not in TRAINING_COMMANDS:
+        raise ConfigError(f"only the {' and '.join(repr(c) for c in TRAINING_COMMANDS)} command(s) read it; "
+                          f"'{command}' would ignore it", "--no-resume")
     if spec.app is not None:
-        check_rule(spec.app, cfg, cfg.inference.rule if hasattr(cfg, "inference") else "quantile", "inference.rule",
-                   spec.name)
+        if hasattr(cfg, "inference"):
+            check_rule(spec.app, cfg, cfg.inference.rule, "inference.rule", spec.name)
         if options.rule is not None:
             check_rule(spec.app, cfg, options.rule, "--rule", spec.name)
     return options
@@ -119,35 +254,46 @@ def _remove_new_run(top: Path | None, run_dir: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        print("\ntasks:", ", ".join(list_tasks()))
+        print(_overview())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"learn2stop {__version__}")
         return 0
     if argv[0] == "list":
         return _list()
-    task_name = argv[0]
-    try:
-        spec = get_task(task_name)
-    except KeyError as e:
-        print(f"learn2stop: error: {e.args[0]}", file=sys.stderr)
-        return 2
-    parser = build_parser(task_name)
-    args = parser.parse_args(argv[1:])
+    task_name, tasks = argv[0], list_tasks()
+    if task_name not in tasks:
+        if task_name.startswith("-"):
+            return _fail("learn2stop", f"unknown flag {task_name}{_did_you_mean(task_name, ['--help', '--version'], False)}",
+                         "learn2stop --help")
+        return _fail("learn2stop", f"unknown task {task_name!r}{_did_you_mean(task_name, [*tasks, 'list'])}",
+                     "learn2stop --help lists the tasks")
+    spec = get_task(task_name)
+    if len(argv) < 2 or argv[1] in ("-h", "--help"):
+        if len(argv) < 2:
+            return _fail(f"learn2stop {task_name}", f"give a command: {', '.join(spec.commands)}",
+                         f"learn2stop {task_name} --help")
+        print(_task_help(spec))
+        return 0
+    command = argv[1]
+    if command not in spec.commands:
+        what = (f"the command comes first: learn2stop {task_name} <command> {command} ...; commands: "
+                f"{', '.join(spec.commands)}" if command.startswith("-") else
+                f"unknown command {command!r} for task {task_name!r}{_did_you_mean(command, spec.commands)}")
+        return _fail(f"learn2stop {task_name}", what, f"learn2stop {task_name} --help lists its commands")
+    parser = build_parser(task_name, command, _preset_asked(argv[2:]))
+    args = parser.parse_args(argv[2:])
     try:
         if args.preset not in spec.presets:
-            raise ConfigError(f"preset: unknown preset {args.preset!r} for task {task_name!r}; available: {', '.join(spec.presets)}")
-        overrides = overrides_from_args(args)
-        asked = overrides.get("inference", {}).get("rule") if isinstance(overrides.get("inference"), dict) else None
-        if asked is not None and spec.app is not None:  # the task's rules first: its other settings do not matter then
-            from .core.task import check_rule
-
-            check_rule(spec.app, spec.config_class(), asked, "inference.rule", task_name)
-        cfg = resolve(spec.config_class, spec.presets[args.preset], args.config, overrides)
+            guess = _did_you_mean(args.preset, spec.presets)
+            raise ConfigError(f"unknown preset {args.preset!r} for task {task_name!r}"
+                              + (f"{guess} (available: {', '.join(spec.presets)})" if guess else
+                                 f"; available: {', '.join(spec.presets)}"), "preset")
+        cfg = _resolve(spec, args)
     except ConfigError as e:
         parser.error(str(e))
     if args.print_config:
         import yaml
-
-        from .utils.config import to_dict
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0
@@ -165,20 +311,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     run = RunContext(run_dir=Path(args.run_dir or f"runs/{task_name}-{args.preset}"), ctx=ctx,
                      progress=not args.no_progress, resume=not args.no_resume)
-    new_folder = _new_folder_root(run.run_dir) if args.command in TRAINING_COMMANDS else None
+    new_folder = _new_folder_root(run.run_dir) if command in TRAINING_COMMANDS else None
     failed = True
     try:
-        run.options = check_command_options(args, spec, cfg)  # the flags first: a bad option touches no run directory
-        if args.command == "export":  # likewise: a bad --out touches no run directory
+        run.options = check_command_options(args, spec, cfg, command)  # the flags first: a bad option touches no run directory
+        if command == "export":  # likewise: a bad --out touches no run directory
             from .export import check_out_dir
 
             check_out_dir(args.out)
-        run.prepare(cfg, args.command)
-        spec.commands[args.command](cfg, run)
-        run.record(cfg, args.command)  # a reading command's config.<command>.yaml: only once it succeeded
+        run.prepare(cfg, command)
+        spec.commands[command](cfg, run)
+        run.record(cfg, command)  # a reading command's config.<command>.yaml: only once it succeeded
         failed = False
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError, OSError) as e:
-        print(f"learn2stop {task_name} {args.command}: error: {e}", file=sys.stderr)
+        print(f"learn2stop {task_name} {command}: error: {e}", file=sys.stderr)
         return 2
     finally:
         run.close()

@@ -119,3 +119,132 @@ def test_paper_cpu_preset_trains_equal_budget_lista_and_reports_training_curves(
     assert (run / "training_curve.png").is_file()
     table1 = (run / "table1.md").read_text()
     assert "(-17.53)" in table1 and "(-16.53)" in table1 and "equal budget" in table1  # LISTA's paper cells, mixed and SNR 20
+
+
+# ----------------------------------------------------------------------------- the command as a new user meets it
+def _run(args, capsys):
+    """(exit code, stdout, stderr) of the command, whether it returns or exits (argparse's --help and errors)."""
+    try:
+        rc = main(args)
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_version_and_short_top_level_help(capsys):
+    import learn2stop
+    from learn2stop.cli import COMMANDS
+    from learn2stop.tasks.base import list_tasks
+
+    assert _run(["--version"], capsys)[:2] == (0, f"learn2stop {learn2stop.__version__}\n")
+    rc, out, _ = _run(["--help"], capsys)
+    assert rc == 0 and len(out.splitlines()) <= 30  # the tasks and the commands, one line each
+    lines = out.splitlines()
+    for name in [*list_tasks(), *COMMANDS, "list"]:
+        assert sum(line.split()[:1] == [name] for line in lines) >= 1, name
+    assert "learn2stop <task> <command> --help" in out
+
+
+def test_task_help_is_short_and_points_at_the_command_help(capsys):
+    rc, out, _ = _run(["sparse", "--help"], capsys)
+    assert rc == 0 and len(out.splitlines()) <= 30
+    for command in ("train", "evaluate", "reproduce", "calibrate", "frontier", "export"):
+        assert any(line.split()[:1] == [command] for line in out.splitlines()), command
+    assert "--preset P" in out and "--run-dir DIR" in out and "stage1" in out
+    assert "learn2stop sparse <command> --help" in out
+    assert "--stage1.lr FLOAT" not in out and "--problem.m" not in out  # the field flags: the command's help
+
+
+def test_command_help_gives_each_flag_its_field_docstring_and_the_presets_value(capsys):
+    rc, out, _ = _run(["sparse", "train", "--help"], capsys)
+    assert rc == 0
+    text = " ".join(out.split())
+    assert "--stage1.lr FLOAT Learning rate (the peak, with a schedule). (default: 0.001)" in text  # quick: 2e-3 / 2
+    assert "--lista.num_steps INT T: the unrolled LISTA steps" in text and "(default: 16)" in text
+    assert "--classical.depths INT,..." in text and "(default: 20,100)" in text  # typed as the flag takes it
+    assert "--no-resume" in text and "--budget" not in text  # only the options train reads
+    rc, out, _ = _run(["sparse", "train", "--preset", "paper", "--help"], capsys)
+    assert "--stage1.lr FLOAT Learning rate (the peak, with a schedule). (default: 0.0001)" in " ".join(out.split())
+    rc, out, _ = _run(["sparse", "calibrate", "--help"], capsys)
+    assert "--budget B" in out and "--no-resume" not in out
+
+
+@pytest.mark.parametrize("task", ["sparse", "maml", "denoise", "classify"])
+def test_every_config_field_of_every_task_has_help(task):
+    from learn2stop.tasks.base import get_task
+    from learn2stop.utils.config import _leaves
+
+    undocumented = [name for name, _, _, doc in _leaves(get_task(task).config_class) if not doc]
+    assert undocumented == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["spars", "reproduce"], "learn2stop: error: unknown task 'spars'; did you mean 'sparse'?"),
+    (["--versoin"], "learn2stop: error: unknown flag --versoin; did you mean --version?"),
+    (["sparse", "reproduc"], "learn2stop sparse: error: unknown command 'reproduc' for task 'sparse'; did you mean 'reproduce'?"),
+    (["sparse", "train", "--stage1.lrr", "1e-3"], "learn2stop sparse train: error: unknown flag --stage1.lrr; did you mean --stage1.lr?"),
+    (["sparse", "train", "--stage1.lrr=1e-3"], "unknown flag --stage1.lrr; did you mean --stage1.lr?"),
+    (["sparse", "train", "--stage1.iter", "5", "--print-config"],  # a prefix is no flag: it stops working once shared
+     "unknown flag --stage1.iter; did you mean --stage1.iterations?"),
+    (["sparse", "train", "--preset", "quik"], "preset: unknown preset 'quik' for task 'sparse'; did you mean 'quick'?"),
+    (["sparse", "train", "--stage1.lr", "fast"], "learn2stop sparse train: error: stage1.lr: expected float; got 'fast'"),
+])
+def test_mistakes_get_one_or_two_lines_and_the_nearest_name(args, message, capsys):
+    rc, out, err = _run(args, capsys)
+    assert rc == 2 and message in err, err
+    assert len(err.splitlines()) <= 2 and "usage:" not in err
+
+
+def test_an_unknown_yaml_key_names_the_nearest_field(tmp_path):
+    from learn2stop.tasks.sparse.config import SparseConfig
+    from learn2stop.utils.config import ConfigError, resolve
+
+    (tmp_path / "c.yaml").write_text("stage1:\n  lrr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"^stage1\.lrr: unknown config field; did you mean 'lr'\?") as e:
+        resolve(SparseConfig, {}, str(tmp_path / "c.yaml"))
+    assert e.value.field == "stage1.lrr"
+
+
+def test_config_errors_carry_the_field_they_blame():
+    from learn2stop.tasks.sparse.config import SparseConfig
+    from learn2stop.utils.config import ConfigError, resolve
+
+    with pytest.raises(ConfigError) as e:
+        resolve(SparseConfig, {}, None, {"stage1": {"beta": 0}})
+    assert (e.value.field, str(e.value)) == ("stage1.beta", "stage1.beta: must be > 0; got 0.0")
+    # a changed objective takes its own default variant: the stage's objective check names the objective
+    with pytest.raises(ConfigError) as e:
+        resolve(SparseConfig, {"stage1": {"variant": "marginal"}}, None, {"stage1": {"objective": "stage2"}})
+    assert e.value.field == "stage1.objective" and "must be 'stage1'" in str(e.value)
+
+
+def test_a_changed_objective_takes_its_default_variant_unless_the_layer_gives_one():
+    import dataclasses
+
+    from learn2stop.core import StageConfig
+    from learn2stop.core.objectives import stage_field
+    from learn2stop.utils.config import ConfigError, resolve
+
+    @dataclasses.dataclass
+    class Free:
+        stage: StageConfig = stage_field(objective="stage1", variant="marginal")
+
+    assert resolve(Free, None, None, {"stage": {"objective": "stage2"}}).stage.variant == "forward_kl"
+    assert resolve(Free, None, None, {"stage": {"objective": "stage2", "variant": "map"}}).stage.variant == "map"
+    assert resolve(Free, {"stage": {"variant": "sampled"}}).stage.variant == "sampled"
+    with pytest.raises(ConfigError, match=r"^stage\.variant: must be one of"):  # the variant asked for is checked
+        resolve(Free, None, None, {"stage": {"objective": "stage2", "variant": "marginal"}})
+
+
+def test_the_rule_is_checked_once_on_the_config_the_command_runs(tmp_path, capsys):
+    """MAML's patience rule exists with a kept answer (model.answer nearest, as in its quick preset): a check on the
+    defaults (answer last) refused it."""
+    args = ["maml", "evaluate", "--model.answer", "nearest", "--model.policy_posterior", "true",
+            "--inference.rule", "patience", "--inference.param", "2"]
+    rc, out, err = _run([*args, "--print-config"], capsys)
+    assert rc == 0 and "rule: patience" in out, err
+    rc, _, err = _run([*args, "--model.answer", "last", "--model.policy_support_loss", "readout",
+                       "--run-dir", str(tmp_path / "run")], capsys)
+    assert rc == 2 and "inference.rule: the 'patience' rule reads class probabilities" in err, err
+    assert not (tmp_path / "run").exists()

@@ -379,7 +379,7 @@ def test_cli_exports_a_trained_run_and_refuses_an_unfinished_one(tmp_path, capsy
     from learn2stop.tasks.sparse.app import APP, PRESETS, SparseConfig
     from learn2stop.utils.config import overrides_from_args, resolve
 
-    cfg = resolve(SparseConfig, PRESETS["quick"], None, overrides_from_args(build_parser("sparse").parse_args(["export", *TINY])))
+    cfg = resolve(SparseConfig, PRESETS["quick"], None, overrides_from_args(build_parser("sparse", "export").parse_args(TINY)))
     sm = load_stage(APP, cfg, run, "stage2", "cpu")
     y = APP.eval_batches(cfg, "test", "cpu")[0][0]
     with torch.no_grad():

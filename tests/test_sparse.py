@@ -131,7 +131,7 @@ def test_bad_measurements_get_clear_errors():
     ({"lista": {"num_steps": 0}}, "lista.num_steps"),
     ({"problem": {"sparsity": 1.5}}, "problem.sparsity"),
     ({"problem": {"matrix": "ortho"}}, "problem.matrix"),
-    ({"stage2": {"objective": "stage1"}}, "stage2.variant"),
+    ({"stage2": {"objective": "stage1"}}, "stage2.objective"),  # a changed objective takes its own variant
     ({"stage3": {"objective": "aevb"}}, "stage3.objective"),
     ({"lista": {"bogus": 1}}, "lista.bogus"),
 ])

@@ -47,23 +47,21 @@ def policy_rules(policy) -> tuple[str, ...]:
 
 @dataclass
 class InferenceConfig:
-    """How a trained stopping model stops at test time.
-
-    rule: ``quantile`` (stop once q_phi's CDF reaches ``param`` = alpha), ``threshold`` (stop when
-        pi_t >= ``param``), a classical rule (``tolerance``, ``confidence``, ``entropy``, ``patience``), or
-        ``fixed`` (every sample stops at step ``param``).
-    param: the rule's parameter.
-    sampled: stop with probability pi_t instead (the paper's stochastic q_phi); ignores rule/param.
-    use_calibrated: use ``calibration.json`` of the run directory when it exists.
-    serve_batch: the batch size the model is served at: ``reproduce`` deploys the rule that is fastest at it among
-        those certified to keep the baseline's quality, timed on this machine.
-    """
+    """How a trained stopping model stops at test time."""
 
     rule: str = "quantile"
+    """``quantile`` (stop once q_phi's CDF reaches ``param`` = alpha), ``threshold`` (stop when pi_t >= ``param``), a
+    classical rule (``tolerance``, ``confidence``, ``entropy``, ``patience``), or ``fixed`` (every sample stops at
+    step ``param``)."""
     param: float = 0.5
+    """the rule's parameter."""
     sampled: bool = False
+    """stop with probability pi_t instead (the paper's stochastic q_phi); ignores rule/param."""
     use_calibrated: bool = True
+    """use ``calibration.json`` of the run directory when it exists."""
     serve_batch: int = 1
+    """the batch size the model is served at: ``reproduce`` deploys the rule that is fastest at it among those
+    certified to keep the baseline's quality, timed on this machine."""
 
     def __post_init__(self):
         one_of(self.rule, list(SIGNALS), "inference.rule")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -45,18 +45,17 @@ SELECTS = {"deep_supervision": "last", "stage1": "oracle", "stage2": "policy", "
 
 @dataclass
 class MethodConfig:
-    """The method's settings, declared once and inherited by every stage that does not override them.
-
-    beta: exploration coefficient of the oracle (Eq. 7) and of the beta-VAE objective.
-    prior, prior_rate: the depth prior p(t) (uniform, or geometric with this rate).
-    price: lambda, the price of computation: q*(t) proportional to exp(-(loss_t + lambda c_t) / beta),
-        with c_t the model's normalised cumulative cost of stopping at t (c_T = 1; see ``exit_costs``).
-    """
+    """The method's settings, declared once and inherited by every stage that does not override them."""
 
     beta: float = 1.0
+    """exploration coefficient of the oracle (Eq. 7) and of the beta-VAE objective."""
     prior: str = "uniform"
+    """The depth prior p(t): uniform, or geometric (with prior_rate)."""
     prior_rate: float = 0.0
+    """The geometric depth prior's rate."""
     price: float = 0.0
+    """lambda, the price of computation: q*(t) proportional to exp(-(loss_t + lambda c_t) / beta), with c_t the model's
+    normalised cumulative cost of stopping at t (c_T = 1; see ``exit_costs``)."""
 
     def __post_init__(self):
         check_fields(self, "method.")
@@ -72,48 +71,65 @@ INHERITED = ("beta", "prior", "prior_rate", "price")
 
 @dataclass
 class StageConfig:
-    """One training stage: its objective and optimisation settings.
+    """One training stage: its objective and optimisation settings."""
 
-    objective: deep_supervision (baseline), stage1, stage2, stage3, aevb, or auxiliary (the policy's auxiliary loss
-        alone, no rollout: e.g. MAML's posterior-mean estimate before Stage II).
-    variant: deep_supervision discounted|last|weighted; stage1 expected|marginal|sampled;
-        stage2 forward_kl|map|reverse_kl; "" picks the first.
-    step_weights: deep_supervision "weighted": w_1..w_T (e.g. SDN's IC weights and 1 for the final output).
-    recompute: sampled Stage I computes every step's loss without gradients, samples t ~ q*, then
-        recomputes only steps 1..t with gradients (the memory-efficient scheme of App. B.2).
-    select: validation criterion for keeping the best weights: last|oracle|policy|none; "" = objective's default.
-    optimizer: "adam" (coupled L2 ``weight_decay``) or "sgd" (Nesterov momentum ``momentum``, L2 ``weight_decay``:
-        the usual recipe of CIFAR ResNets and SDN's).
-    ema: decay of an exponential moving average of the trained weights (and their float buffers, e.g. batch-norm
-        statistics), 0 = off. Validation, selection and the stage's final weights are the average's; the
-        decay ramps up as min(ema, (1 + i) / (10 + i)) so the first iterates do not dominate.
-    beta, prior, prior_rate, price: unset (None / "") inherits the :class:`MethodConfig`'s value.
-    """
+    #: a variant belongs to its objective: a config layer that changes the objective alone takes its default variant
+    follows: ClassVar[dict[str, str]] = {"variant": "objective"}
 
     objective: str = "stage1"
+    """deep_supervision (baseline), stage1, stage2, stage3, aevb, or auxiliary (the policy's auxiliary loss alone, no
+    rollout: e.g. MAML's posterior-mean estimate before Stage II)."""
     variant: str = ""
+    """deep_supervision discounted|last|weighted; stage1 expected|marginal|sampled; stage2 forward_kl|map|reverse_kl; ""
+    picks the first."""
     iterations: int = 1000
+    """Optimiser steps of the stage (0 skips it)."""
     batch_size: int = 256
+    """Training samples per step."""
     lr: float = 1e-3
+    """Learning rate (the peak, with a schedule)."""
     weight_decay: float = 0.0
+    """L2 weight decay (Adam's coupled form, or SGD's)."""
     lr_schedule: str = "constant"
+    """constant, cosine (down to lr * lr_min_factor) or step (x0.1 at each fraction in lr_decay_at)."""
     lr_decay_at: tuple[float, ...] = ()
+    """With lr_schedule step: the fractions of the run, in (0, 1), at which the rate drops tenfold."""
     lr_min_factor: float = 0.0
+    """With lr_schedule cosine: the final rate as a fraction of lr, in [0, 1]."""
     warmup: int = 0
+    """Steps of linear warm-up to lr (0: none)."""
     grad_clip: float = 0.0
+    """Clip the gradient's global norm to this (0: no clipping)."""
     beta: float | None = None
+    """This stage's method.beta; unset (none) inherits method.beta."""
     gamma: float = 1.0
+    """deep_supervision discounted: step t's loss weighs gamma^(T-t), in (0, 1] (1: every step alike)."""
     prior: str = ""
+    """This stage's method.prior; unset ("") inherits method.prior."""
     prior_rate: float | None = None
+    """This stage's method.prior_rate; unset (none) inherits method.prior_rate."""
     price: float | None = None
+    """This stage's method.price; unset (none) inherits method.price."""
     recompute: bool = False
+    """sampled Stage I computes every step's loss without gradients, samples t ~ q*, then recomputes only steps 1..t
+    with gradients (the memory-efficient scheme of App. B.2)."""
     step_weights: tuple[float, ...] = ()
+    """deep_supervision "weighted": w_1..w_T (e.g. SDN's IC weights and 1 for the final output)."""
     eval_every: int = 100
+    """Validate (and maybe keep the best weights) every this many steps."""
     checkpoint_every: int = 100
+    """Write a resumable checkpoint every this many steps."""
     select: str = ""
+    """validation criterion for keeping the best weights: last|oracle|policy|none; "" = objective's default."""
     optimizer: str = "adam"
+    """"adam" (coupled L2 ``weight_decay``) or "sgd" (Nesterov momentum ``momentum``, L2 ``weight_decay``: the usual
+    recipe of CIFAR ResNets and SDN's)."""
     momentum: float = 0.9
+    """With optimizer sgd: the Nesterov momentum, in [0, 1)."""
     ema: float = 0.0
+    """decay of an exponential moving average of the trained weights (and their float buffers, e.g. batch-norm
+    statistics), 0 = off. Validation, selection and the stage's final weights are the average's; the decay ramps up
+    as min(ema, (1 + i) / (10 + i)) so the first iterates do not dominate."""
 
     def __post_init__(self):
         check_fields(self)  # types first: no bool for an int, no NaN or inf, lists where lists belong

@@ -2,7 +2,8 @@
 
 Nested dataclass fields become dotted flags (``--stage1.lr 1e-3``) and dotted YAML keys. Values
 are converted by the field's type; each dataclass validates itself in ``__post_init__`` and a
-bad value raises :class:`ConfigError` naming the field.
+bad value raises :class:`ConfigError` naming the field. A field's docstring (the string right under
+it) is its flag's ``--help``.
 
 Layers merge field by field (defaults <- preset <- YAML <- flags): an empty section (``stage1:``
 with nothing under it, or ``{}``) changes nothing. Before any ``__post_init__`` runs, every value
@@ -12,8 +13,15 @@ a list field needs a list (a CLI string ``"20,30"`` is split on commas) and a sc
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import difflib
+import functools
+import inspect
 import math
+import re
+import textwrap
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -22,13 +30,39 @@ import yaml
 
 
 class ConfigError(ValueError):
-    """A config value is invalid; the message names the field."""
+    """A config value or option is invalid; the message starts with the field to blame.
+
+    ``field`` is that field (``stage1.lr``, ``--budget``) when one is, for code that reads it (a section
+    prefixes its own fields, :meth:`within`); ``reason`` is the rest of the message.
+    """
+
+    def __init__(self, reason: str, field: str | None = None):
+        super().__init__(f"{field}: {reason}" if field else reason)
+        self.field, self.reason = field, reason
+
+    def within(self, prefix: str) -> "ConfigError":
+        """The error seen from the enclosing config: a field named relative to section ``prefix`` ("stage1.")
+        gets the prefix; one named in full ("method.beta" in section "method."), or none, is kept."""
+        if self.field is None or self.field.startswith(prefix):
+            return self
+        return ConfigError(self.reason, prefix + self.field)
 
 
 def require(ok: bool, field: str, message: str) -> None:
-    """Raise ConfigError(f"{field}: {message}") unless ``ok``."""
+    """Raise ConfigError(message, field) (its text: f"{field}: {message}") unless ``ok``."""
     if not ok:
-        raise ConfigError(f"{field}: {message}")
+        raise ConfigError(message, field)
+
+
+def closest(word: str, choices: typing.Iterable[str]) -> str | None:
+    """The choice a mistyped ``word`` most likely meant: the one it begins, else difflib's closest match; None if none
+    is close."""
+    choices = [str(c) for c in choices]
+    begun = [c for c in choices if c.startswith(word)]
+    if len(begun) == 1:
+        return begun[0]
+    match = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return match[0] if match else None
 
 
 def _is_number(value: Any) -> bool:
@@ -123,7 +157,7 @@ def _convert(value: Any, tp: Any, field: str) -> Any:
     """
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    if origin is typing.Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
+    if origin in (typing.Union, types.UnionType):
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             if type(None) in args:
                 return None
@@ -133,18 +167,18 @@ def _convert(value: Any, tp: Any, field: str) -> Any:
         if isinstance(value, str):
             value = [v for v in value.split(",") if v.strip() != ""]
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{field}: expected a list (YAML [a, b] or a flag a,b); got {value!r}")
+            raise ConfigError(f"expected a list (YAML [a, b] or a flag a,b); got {value!r}", field)
         elem = args[0] if args else str
         if origin is tuple and len(args) >= 2 and args[-1] is not Ellipsis:  # tuple[int, str]: fixed length
             if len(value) != len(args):
-                raise ConfigError(f"{field}: expected {len(args)} values; got {len(value)}: {value!r}")
+                raise ConfigError(f"expected {len(args)} values; got {len(value)}: {value!r}", field)
             items = [_convert(v, a, f"{field}[{i}]") for i, (v, a) in enumerate(zip(value, args))]
         else:
             items = [_convert(v, elem, f"{field}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if tp in (bool, int, float, str) and isinstance(value, (list, tuple, dict)):
         kind = "a mapping" if isinstance(value, dict) else "a list"
-        raise ConfigError(f"{field}: expected a single {tp.__name__}, not {kind}; got {value!r}")
+        raise ConfigError(f"expected a single {tp.__name__}, not {kind}; got {value!r}", field)
     try:
         if tp is bool:
             if isinstance(value, bool):
@@ -156,7 +190,7 @@ def _convert(value: Any, tp: Any, field: str) -> Any:
             raise ValueError
         if tp is int:
             if isinstance(value, bool):
-                raise ConfigError(f"{field}: expected int, not a boolean; got {value!r}")
+                raise ConfigError(f"expected int, not a boolean; got {value!r}", field)
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             if isinstance(value, str) and "e" in value.lower():
@@ -167,10 +201,10 @@ def _convert(value: Any, tp: Any, field: str) -> Any:
             return _bounded_int(int(value), field)
         if tp is float:
             if isinstance(value, bool):
-                raise ConfigError(f"{field}: expected float, not a boolean; got {value!r}")
+                raise ConfigError(f"expected float, not a boolean; got {value!r}", field)
             out = float(value)
             if not math.isfinite(out):
-                raise ConfigError(f"{field}: must be a finite number; got {value!r}")
+                raise ConfigError(f"must be a finite number; got {value!r}", field)
             return out
         if tp is str:
             if not isinstance(value, (str, int, float)) or isinstance(value, bool):
@@ -179,7 +213,7 @@ def _convert(value: Any, tp: Any, field: str) -> Any:
     except (TypeError, ValueError, OverflowError) as e:
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(f"{field}: expected {_type_name(tp)}; got {value!r}") from None
+        raise ConfigError(f"expected {_type_name(tp)}; got {value!r}", field) from None
     return value
 
 
@@ -187,9 +221,9 @@ def _bounded_int(value: int, field: str) -> int:
     """An integer that fits the 64 bits torch and numpy use; a seed must also be >= 0."""
     seed = field.rsplit(".", 1)[-1].endswith("seed")
     if seed and not 0 <= value < 2 ** 63:
-        raise ConfigError(f"{field}: a seed must be an integer in [0, 2**63); got {value}")
+        raise ConfigError(f"a seed must be an integer in [0, 2**63); got {value}", field)
     if not -2 ** 63 <= value < 2 ** 63:
-        raise ConfigError(f"{field}: {value} does not fit in a 64-bit integer")
+        raise ConfigError(f"{value} does not fit in a 64-bit integer", field)
     return value
 
 
@@ -219,19 +253,21 @@ def check_fields(cfg: Any, prefix: str = "") -> None:
         if tp is float and _is_int(value):
             value = float(value)
         if isinstance(value, str) and (tp in (int, float, bool) or typing.get_origin(tp) in (tuple, list)):
-            raise ConfigError(f"{name}: expected {_type_name(tp)}; got the string {value!r}")
+            raise ConfigError(f"expected {_type_name(tp)}; got the string {value!r}", name)
         _convert(value, tp, name)
 
 
 def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
     """Build dataclass ``cls`` from a nested dict; unknown keys and bad values name the field."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping; got {type(data).__name__}")
+        raise ConfigError(f"expected a mapping; got {type(data).__name__}", prefix.rstrip(".") or "config")
     hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted((k for k in data if k not in names), key=str)
     if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]}: unknown config field (known: {', '.join(sorted(names))})")
+        guess = closest(unknown[0], names) if isinstance(unknown[0], str) else None
+        hint = f"; did you mean {guess!r}?" if guess else ""
+        raise ConfigError(f"unknown config field{hint} (known: {', '.join(sorted(names))})", f"{prefix}{unknown[0]}")
     kwargs = {}
     for name, value in data.items():
         tp = hints[name]
@@ -245,8 +281,7 @@ def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
     try:
         return cls(**kwargs)
     except ConfigError as e:
-        # a section that names its fields in full ("model.vgg: ...") is not prefixed again
-        raise ConfigError(str(e) if str(e).startswith(prefix) else f"{prefix}{e}") from None
+        raise e.within(prefix) from None
 
 
 def merge(base: dict, update: dict | None) -> dict:
@@ -313,7 +348,7 @@ def _add_unique(node: dict, key: Any, value: Any, where: str, prefix: str) -> No
         for k, v in value.items():
             _add_unique(node[key], k, v, where, f"{prefix}{key}.")
     else:
-        raise ConfigError(f"{prefix}{key}: set twice in {where}")
+        raise ConfigError(f"set twice in {where}", f"{prefix}{key}")
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -353,34 +388,98 @@ def save_yaml(cfg: Any, path: str | Path) -> None:
     write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
-def leaf_fields(cls: type, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    """(dotted name, type, default) of every leaf field of a nested dataclass."""
-    out = []
-    hints = _hints(cls)
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> its docstring (the string literal right under the field, as Sphinx and IDEs read it),
+    folded to one line: the help of its flag. Inherited fields keep their base class's docstring."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+@functools.lru_cache(maxsize=None)
+def _own_field_docs(cls: type) -> dict[str, str]:
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):  # no source (a frozen app, a class made in a REPL): flags without help
+        return {}
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef)).body
+    return {node.target.id: " ".join(after.value.value.split())
+            for node, after in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)}
+
+
+def _leaves(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, Any, Any, str]]:
+    """(dotted name, type, default, docstring) of every leaf field of a nested dataclass."""
+    hints, docs = _hints(cls), field_docs(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
-            out.extend(leaf_fields(tp, prefix + f.name + "."))
+            yield from _leaves(tp, prefix + f.name + ".")
         else:
-            out.append((prefix + f.name, tp, f.default))
-    return out
+            yield prefix + f.name, tp, f.default, docs.get(f.name, "")
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one ``--dotted.name`` flag per leaf field; only flags given on the command line override."""
-    group = parser.add_argument_group("config fields (override preset and --config)")
-    for name, tp, _ in leaf_fields(cls):
-        group.add_argument(f"--{name}", dest=f"cfg:{name}", default=argparse.SUPPRESS, metavar=_metavar(tp))
+def leaf_fields(cls: type, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted name, type, default) of every leaf field of a nested dataclass."""
+    return [(name, tp, default) for name, tp, default, _ in _leaves(cls, prefix)]
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type, values: dict | None = None) -> None:
+    """One ``--section.field`` flag per leaf field, in one group per section, its help the field's docstring and
+    the value it has in ``values`` (a resolved config as a dict, e.g. a preset's; default: ``cls()``'s). Only the
+    flags given on the command line override (:func:`overrides_from_args`)."""
+    values = to_dict(cls()) if values is None else values
+    hints, docs, groups = _hints(cls), field_docs(cls), {}
+    for name, tp, _, doc in _leaves(cls):
+        section = name.split(".")[0] if "." in name else ""
+        if section not in groups:
+            about = docs.get(section) or _class_summary(hints[section]) if section else (
+                "one flag per config field, shown at its value under the preset; a YAML file (--config) or "
+                "--SECTION.FIELD V sets it")
+            groups[section] = parser.add_argument_group(f"--{section}.*" if section else "config fields",
+                                                        about.replace("%", "%%") or None)
+        value = values
+        for part in name.split("."):
+            value = value[part]
+        doc = re.sub(r":\w+:`~?(?:[\w]+\.)*([\w]+)`", r"\1", doc).replace("``", "")  # reST markup, for a terminal
+        help_ = f"{doc} (default: {_cli_value(value)})" if doc else f"(default: {_cli_value(value)})"
+        groups[section].add_argument(f"--{name}", dest=f"cfg:{name}", default=argparse.SUPPRESS, metavar=_metavar(tp),
+                                     help=help_.replace("%", "%%"))
+
+
+def _class_summary(cls: type) -> str:
+    """The first line of a class's own docstring ("" for the signature a dataclass writes in its place)."""
+    doc = cls.__dict__.get("__doc__") or ""
+    return "" if doc.startswith(f"{cls.__name__}(") else inspect.cleandoc(doc).split("\n")[0]
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict:
-    flat = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:")}
-    return unflatten(flat)
+    """The config fields given as flags, as a nested dict (the last layer of :func:`resolve`)."""
+    return unflatten({k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:")})
 
 
 def _metavar(tp: Any) -> str:
-    name = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-    return name.upper()
+    """INT, FLOAT, STR, BOOL; a list ``INT,...``; an optional value its type (``none`` unsets it)."""
+    args = [a for a in typing.get_args(tp) if a is not type(None) and a is not Ellipsis]
+    if typing.get_origin(tp) in (tuple, list):
+        return f"{_metavar(args[0]) if args else 'STR'},..."
+    if args:
+        return _metavar(args[0])
+    return getattr(tp, "__name__", str(tp)).upper()
+
+
+def _cli_value(value: Any) -> str:
+    """A value as it is typed on the command line: ``5,10``, ``true``, ``none``, ``""``."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(_cli_value, value)) or '"" (empty)'
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "none"
+    return str(value) if value != "" else '""'
 
 
 def load_run_config(cls: type, run_dir: str | Path) -> Any:
@@ -389,52 +488,41 @@ def load_run_config(cls: type, run_dir: str | Path) -> Any:
 
 
 def resolve(cls: type, preset: dict | None = None, yaml_path: str | None = None, overrides: dict | None = None) -> Any:
-    """Defaults <- preset <- YAML file <- CLI overrides, merged field by field, then validated by building ``cls``."""
+    """Defaults <- preset <- YAML file <- CLI overrides, merged field by field (:func:`merge_layers`), then validated
+    by building ``cls``."""
+    return from_dict(cls, merge_layers(cls, preset, yaml_path, overrides))
+
+
+def merge_layers(cls: type, preset: dict | None = None, yaml_path: str | None = None,
+                 overrides: dict | None = None) -> dict:
+    """Defaults <- preset <- YAML file <- CLI overrides as one nested dict, not validated yet.
+
+    A field that follows another (a section's ``follows`` class attribute: a stage's ``variant`` follows its
+    ``objective``) goes back to its default when a layer sets the field it follows and not it:
+    ``--stage1.objective stage2`` takes stage2's default variant, not the one the preset gave stage1.
+    """
     data = to_dict(cls())
-    layers = (preset or {}, load_yaml(yaml_path) if yaml_path else {}, overrides or {})
-    for layer in layers:
+    for layer in (preset or {}, load_yaml(yaml_path) if yaml_path else {}, overrides or {}):
         data = merge(data, layer)
-    try:
-        return from_dict(cls, data)
-    except ConfigError as e:
-        raise _blame_objective(cls, data, layers, e) from None
-
-
-def _get(data: Any, path: list[str]) -> Any:
-    for p in path:
-        data = data.get(p) if isinstance(data, dict) else None
+        _reset_followers(cls, data, layer)
     return data
 
 
-def _blame_objective(cls: type, data: dict, layers: tuple, error: ConfigError) -> ConfigError:
-    """A stage's variant refused after its objective was changed names the objective, not the variant.
-
-    ``--stage1.objective stage2`` leaves stage1's default variant (``marginal``), which stage2 does not
-    have: the user changed the objective, so the message is about it (the config's own objective check,
-    or: this objective needs its own variant).
-    """
-    import re
-
-    m = re.match(r"([\w.]+)\.variant: ", str(error))
-    if not m:
-        return error
-    section = m.group(1).split(".")
-    last_obj = max((i for i, layer in enumerate(layers) if _get(layer, section + ["objective"]) is not None), default=None)
-    last_var = max((i for i, layer in enumerate(layers) if _get(layer, section + ["variant"]) is not None), default=-1)
-    if last_obj is None or last_var >= last_obj:
-        return error
-    retry = merge(data, unflatten({".".join(section + ["variant"]): ""}))
-    try:
-        from_dict(cls, retry)
-    except ConfigError as e:
-        return e if ".objective" in str(e) else error
-    objective = _get(data, section + ["objective"])
-    return ConfigError(f"{'.'.join(section)}.objective: {objective!r} does not take the variant "
-                       f"{_get(data, section + ['variant'])!r} this section has; give its variant too ({error})")
+def _reset_followers(cls: type, data: dict, layer: Any) -> None:
+    if not isinstance(layer, dict):
+        return
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp) and isinstance(layer.get(f.name), dict) and isinstance(data.get(f.name), dict):
+            _reset_followers(tp, data[f.name], layer[f.name])
+    for follower, leader in getattr(cls, "follows", {}).items():
+        if leader in layer and follower not in layer:
+            data[follower] = next(f.default for f in dataclasses.fields(cls) if f.name == follower)
 
 
 def preset_config(cls: type, presets: dict[str, dict], name: str, task: str, **overrides: Any) -> Any:
     """The config ``cls`` of preset ``name`` (a partial dict over the defaults), with nested overrides (dicts)."""
     if name not in presets:
         raise KeyError(f"unknown {task} preset {name!r}; available: {', '.join(presets)}")
-    return from_dict(cls, merge(merge(to_dict(cls()), presets[name]), overrides))
+    return resolve(cls, presets[name], None, overrides)

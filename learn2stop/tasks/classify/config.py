@@ -16,20 +16,24 @@ SOURCES = ("synthetic", *list_datasets())
 
 @dataclass
 class DataConfig:
-    """The images. ``synthetic``: generated class-coded textures (no data needed; tests and demos).
-
-    augment: pad-4 random crop and flip of the training images; cutout: then zero a square of this side at a
-    random place in each (0 = off).
-    """
+    """The images. ``synthetic``: generated class-coded textures (no data needed; tests and demos)."""
 
     kind: str = "tiny_imagenet"
+    """The data set: synthetic or one of the registered image sets (e.g. tiny_imagenet, cifar10)."""
     path: str = "data/tiny-imagenet-200"
+    """Folder of the data set."""
     size: int = 64
+    """Side in pixels of the network's input images."""
     val_fraction: float = 0.1
+    """Share of the training images held out for selection and calibration."""
     augment: bool = True
+    """Pad-4 random crop and flip of the training images."""
     cutout: int = 0
+    """With augment: zero a square of this side at a random place in each training image (0: off)."""
     synthetic_per_class: int = 60
+    """Synthetic: images per class."""
     synthetic_classes: int = 4
+    """Synthetic: classes (>= 2)."""
 
     def __post_init__(self):
         one_of(self.kind, SOURCES, "data.kind")
@@ -42,25 +46,26 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    """The network: an architecture of :func:`~learn2stop.tasks.classify.models.list_archs`, exits attached.
-
-    ic_positions: exits after these candidates (1-based; VGG: conv layers, ResNet: residual blocks);
-        () = the architecture's own (SDN's FLOP-based placement unless it fixes its own).
-    fc_width: VGG's hidden classifier width; -1 = the architecture's, 0 = one linear layer on pooled features.
-    width: a ResNet's first-stage channels (the other stages scale with it); 0 = the architecture's.
-    channels_last: convolutions on NHWC tensors (measured on the 2-core CPU, vgg6-narrow: training 10 %
-        and inference 1.5x faster than NCHW; the quick preset's); the weights and checkpoints are the same
-        either way. Refused for a network with a strided 1x1 convolution of fewer than 8 input channels,
-        whose NHWC backward corrupts the heap in PyTorch 2.13 on CPU (measured: a ResNet at width 4).
-    """
+    """The network: an architecture of :func:`~learn2stop.tasks.classify.models.list_archs`, exits attached."""
 
     arch: str = "vgg16"
+    """The architecture (vgg16, the ResNets, ...: list_archs())."""
     ic_positions: tuple[int, ...] = ()
+    """exits after these candidates (1-based; VGG: conv layers, ResNet: residual blocks); () = the architecture's own
+    (SDN's FLOP-based placement unless it fixes its own)."""
     fc_width: int = -1
+    """VGG's hidden classifier width; -1 = the architecture's, 0 = one linear layer on pooled features."""
     dropout: float = 0.5
+    """VGG: dropout probability before each fully connected layer after the first."""
     width: int = 0
+    """a ResNet's first-stage channels (the other stages scale with it); 0 = the architecture's."""
     policy_hidden: int = 32
+    """Width of the policy's MLP."""
     channels_last: bool = False
+    """convolutions on NHWC tensors (measured on the 2-core CPU, vgg6-narrow: training 10 % and inference 1.5x faster
+    than NCHW; the quick preset's); the weights and checkpoints are the same either way. Refused for a network with a
+    strided 1x1 convolution of fewer than 8 input channels, whose NHWC backward corrupts the heap in PyTorch 2.13 on
+    CPU (measured: a ResNet at width 4)."""
 
     def __post_init__(self):
         one_of(self.arch, ARCHS.names(), "model.arch")
@@ -72,8 +77,10 @@ class ModelConfig:
 
 @dataclass
 class PredictConfig:
-    input: str = ""  # an image file or a folder of images
-    output: str = ""  # default <run-dir>/predictions.json
+    input: str = ""
+    """an image file or a folder of images."""
+    output: str = ""
+    """Output file (default <run-dir>/predictions.json)."""
 
 
 def _stage(**kw):
@@ -94,33 +101,44 @@ class ClassifyConfig:
     location_fields: ClassVar[tuple[str, ...]] = ("data.path",)
 
     seed: int = 0
+    """Seed of training: initialisation, data order and augmentation."""
     data: DataConfig = field(default_factory=DataConfig)
+    """The images."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The network, its exits and the policy."""
     method: MethodConfig = field(default_factory=lambda: MethodConfig(beta=1.0))
-    # the policy's own pi_t thresholded (measured on both quick networks: above the quantile of q_phi at every
-    # FLOPs budget from 30 to 70 %, by up to 8 points)
     inference: InferenceConfig = field(default_factory=lambda: InferenceConfig(rule="threshold"))
+    """The test-time stop rule: the policy's own pi_t thresholded (measured on both quick networks: above the quantile
+    of q_phi at every FLOPs budget from 30 to 70 %, by up to 8 points)."""
     baseline: StageConfig = _stage(objective="deep_supervision", variant="last", select="last")
+    """The network alone (its last output)."""
     sdn: StageConfig = _stage(objective="deep_supervision", variant="weighted", select="oracle")
-    # marginal: the oracle as fixed weights; through q* (expected) pushes each image's worse exits up
+    """SDN training: every exit, weighted (Kaya et al.)."""
     stage1: StageConfig = _stage(objective="stage1", variant="marginal", iterations=20_000, lr=1e-4)
-    # Stage II's oracle on the 0/1 error (stop_loss): beta 0.1 makes it the first exits that are right, and a
-    # price of 0.3 errors per network's FLOPs trades them against computation
+    """Stage I: the network under the oracle; marginal keeps the oracle as fixed weights (through q*, expected pushes
+    each image's worse exits up)."""
     stage2: StageConfig = _stage(objective="stage2", variant="forward_kl", iterations=3000, lr=3e-3, weight_decay=0.0,
                                  beta=0.1, price=0.3,
                                  lr_schedule="constant", eval_every=250, checkpoint_every=250)
+    """Stage II: the policy fitted to the oracle on the 0/1 error (stop_loss): beta 0.1 makes it the first exits that
+    are right; a price of 0.3 errors per network's FLOPs trades them against computation."""
     stage3: StageConfig = _stage(objective="stage3", iterations=0, lr=1e-4)
-    sdn_tau: tuple[float, ...] = (0.15, 0.3, 0.45, 0.6, 0.75, 0.9)  # SDN's final IC weights (interpolated to the ICs)
-    # SDN training from "scratch" (Kaya et al.'s "SDN training") or fine-tuned from the trained network alone
-    # ("baseline": the usual way to add exits to a network one already has, at a fraction of the cost)
+    """Optional Stage III (0 iterations: skipped)."""
+    sdn_tau: tuple[float, ...] = (0.15, 0.3, 0.45, 0.6, 0.75, 0.9)
+    """SDN's final IC weights (interpolated to the ICs)."""
     sdn_from: str = "scratch"
-    # The loss whose oracle Stage II's policy fits: the 0/1 "error" a user deploys on, or the "cross_entropy"
-    # that trains the network (the paper's l). Measured (quick VGG and ResNet-20, beta 0.1, price 0.3): the
-    # error oracle's policy is 1-2 points above the cross-entropy one at 30-60 % of the FLOPs.
+    """SDN training from scratch (Kaya et al.'s) or baseline: fine-tuned from the trained network alone (the usual way
+    to add exits to a network one has, at a fraction of the cost)."""
     stop_loss: str = "error"
+    """The loss whose oracle Stage II's policy fits: error (the 0/1 error a user deploys on) or cross_entropy (the
+    paper's l, which trains the network). Measured on the quick VGG and ResNet-20: the error oracle's policy is 1-2
+    points above the cross-entropy one at 30-60 % of the FLOPs."""
     eval_batch: int = 256
-    table_budget: float = 0.5  # Table 7 compares the policy and the confidence rule at this share of the FLOPs
+    """Images per forward pass in evaluation."""
+    table_budget: float = 0.5
+    """Table 7 compares the policy and the confidence rule at this share of the FLOPs."""
     predict: PredictConfig = field(default_factory=PredictConfig)
+    """The inputs of the predict command."""
 
     def __post_init__(self):
         for name, obj in (("baseline", "deep_supervision"), ("sdn", "deep_supervision"), ("stage1", "stage1"),

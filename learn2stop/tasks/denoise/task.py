@@ -24,19 +24,33 @@ class DataConfig:
     """Where the images come from. Empty ``train_dir``/``test_dir``: the embedded dead-leaves images."""
 
     train_dir: str = ""
+    """Folder of training images (BSD400 in the paper); empty: the embedded dead-leaves images."""
     test_dir: str = ""
-    val_fraction: float = 0.2  # of the training images, held out for selection and calibration
-    synthetic_train: int = 60  # embedded default: images generated for training + validation
+    """Folder of test images (BSD68 in the paper); empty: the embedded dead-leaves images."""
+    val_fraction: float = 0.2
+    """of the training images, held out for selection and calibration."""
+    synthetic_train: int = 60
+    """embedded default: images generated for training + validation."""
     synthetic_test: int = 8
+    """Embedded default: test images generated."""
     synthetic_size: int = 128
-    max_train_images: int = 0  # 0 = all (before the validation split)
-    max_test_images: int = 0  # 0 = all
+    """Embedded default: side of each image in pixels."""
+    max_train_images: int = 0
+    """At most this many training images, before the validation split (0: all)."""
+    max_test_images: int = 0
+    """At most this many test images (0: all)."""
     patch_size: int = 50
+    """Side of the training patches in pixels."""
     stride: int = 10
+    """Step between training patches in pixels."""
     scales: tuple[float, ...] = (1.0, 0.9, 0.8, 0.7)
-    sigma_max: float = 55.0  # training sigma ~ U[0, sigma_max] (paper) ...
-    sigma_set: tuple[float, ...] = ()  # ... or from this set (release: 35, 45, 55)
+    """Resize factors, in (0, 4], at which patches are cut from every training image."""
+    sigma_max: float = 55.0
+    """Training noise sigma ~ U[0, sigma_max] (paper), unless sigma_set is given."""
+    sigma_set: tuple[float, ...] = ()
+    """Training noise sigma drawn from this set instead (release: 35, 45, 55); empty: sigma_max."""
     val_patches: int = 256
+    """Validation patches (selection and calibration)."""
 
     def __post_init__(self):
         require(0 < self.val_fraction < 1, "data.val_fraction", f"must be in (0, 1); got {self.val_fraction}")
@@ -54,22 +68,22 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    """The network and its policy.
-
-    outputs: blocks followed by an exit; () = every block 1..depth-2 (paper: 18 exits + the final layer).
-    head_kernel: an exit is one conv C->1 of this size (1, or 3 like DnCNN's last layer: on CPUs a
-        3x3 conv to one channel takes about 20 % of a block's time).
-    policy_hidden: width of the policy's MLP.
-    policy_min_mass: the policy is first asked at the first exit whose mean validation oracle mass
-        (with the method's price) exceeds this; 0 asks it at every exit.
-    """
+    """The network and its policy."""
 
     depth: int = 20
+    """DnCNN's conv layers (paper: 20)."""
     channels: int = 64
+    """Feature channels of each layer."""
     outputs: tuple[int, ...] = ()
+    """blocks followed by an exit; () = every block 1..depth-2 (paper: 18 exits + the final layer)."""
     head_kernel: int = 1
+    """an exit is one conv C->1 of this size (1, or 3 like DnCNN's last layer: on CPUs a 3x3 conv to one channel takes
+    about 20 % of a block's time)."""
     policy_hidden: int = 16
+    """width of the policy's MLP."""
     policy_min_mass: float = 0.0
+    """the policy is first asked at the first exit whose mean validation oracle mass (with the method's price) exceeds
+    this; 0 asks it at every exit."""
 
     def __post_init__(self):
         int_at_least(self.depth, "model.depth", 3)
@@ -89,12 +103,19 @@ class EvalConfig:
     """Test (and calibration) images: every image at every sigma, one seeded noise per image and sigma."""
 
     sigmas: tuple[float, ...] = (35.0, 45.0, 55.0, 65.0, 75.0)
-    bm3d: bool = True  # needs the optional 'bm3d' package; skipped (and said so) when absent
-    bm3d_max_images: int = 0  # 0 = every test image
+    """Noise levels (on the 0-255 scale) at which every test image is denoised."""
+    bm3d: bool = True
+    """needs the optional 'bm3d' package; skipped (and said so) when absent."""
+    bm3d_max_images: int = 0
+    """BM3D on at most this many test images (0: every one)."""
     figure_sigmas: tuple[float, ...] = (55.0, 75.0)
+    """Noise levels of the comparison figure."""
     crop: int = 96
+    """Side in pixels of the figure's crops."""
     seed: int = 2020
-    timing_rounds: int = 3  # ms per image: the fastest of this many interleaved rounds
+    """Seed of the test noise."""
+    timing_rounds: int = 3
+    """Timing in ms per image: the fastest of this many interleaved rounds."""
 
 
     def __post_init__(self):
@@ -111,9 +132,13 @@ class DenoiseCommandConfig:
     """The ``denoise`` command: an image file or folder in, denoised PNGs and depths out."""
 
     input: str = ""
-    output: str = ""  # default <run-dir>/denoised
-    model: str = "stop"  # stop (what the run deploys: DnCNN-stop with its deployed rule, or its baseline) or dncnn
-    add_sigma: float = 0.0  # > 0: add seeded Gaussian noise first (a demo on clean images)
+    """An image file or a folder of images to denoise."""
+    output: str = ""
+    """Output folder (default <run-dir>/denoised)."""
+    model: str = "stop"
+    """stop (what the run deploys: DnCNN-stop with its deployed rule, or its baseline) or dncnn."""
+    add_sigma: float = 0.0
+    """> 0: add seeded Gaussian noise of this sigma first (a demo on clean images)."""
 
     def __post_init__(self):
         one_of(self.model, ("stop", "dncnn"), "denoise.model")
@@ -123,12 +148,7 @@ class DenoiseCommandConfig:
 
 @dataclass
 class DenoiseAppConfig:
-    """DnCNN-stop (paper Sec. 5.3, App. B.3). Defaults: the paper's settings (see the ``paper`` preset).
-
-    method: beta (0.1 on the per-patch SSE, paper), depth prior and price on computation
-        (lambda, in SSE units per full network), inherited by every stage.
-    inference: the test-time stop rule (replaced by ``calibration.json`` once a run is calibrated).
-    """
+    """DnCNN-stop (paper Sec. 5.3, App. B.3). Defaults: the paper's settings (see the ``paper`` preset)."""
 
     #: read-only sections, left out of the run's fingerprint: the test-time rule, the evaluation settings and the inputs of ``denoise``
     reader_fields: ClassVar[tuple[str, ...]] = ('inference', 'eval', 'denoise')
@@ -136,27 +156,35 @@ class DenoiseAppConfig:
     location_fields: ClassVar[tuple[str, ...]] = ("data.train_dir", "data.test_dir")
 
     seed: int = 0
+    """Seed of training: initialisation, patch order and training noise."""
     data: DataConfig = field(default_factory=DataConfig)
+    """The training and test images."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """DnCNN with exits, and its policy."""
     method: MethodConfig = field(default_factory=lambda: MethodConfig(beta=0.1))
+    """beta (0.1 on the per-patch SSE, paper), depth prior and price on computation (lambda, in SSE units per full
+    network), inherited by every stage."""
     inference: InferenceConfig = field(default_factory=InferenceConfig)
-    # DnCNN pre-training: 50 epochs of ~403k patches at batch 256 = 78.7k iterations, lr 1e-3, /10 at half
+    """the test-time stop rule (replaced by ``calibration.json`` once a run is calibrated)."""
     baseline: StageConfig = stage_field(objective="deep_supervision", iterations=78700, batch_size=256, lr=1e-3,
                                    lr_schedule="step", lr_decay_at=(0.5,), eval_every=1000, checkpoint_every=1000)
-    # fresh exits on the frozen pre-trained backbone (ours: the oracle never picks an untrained exit)
+    """DnCNN pre-training (paper: 50 epochs of about 403k patches at batch 256, lr 1e-3, /10 at half)."""
     heads: StageConfig = stage_field(objective="deep_supervision", iterations=5000, batch_size=256, lr=1e-3, select="none",
                                 eval_every=1000, checkpoint_every=1000)
-    # Stage I fine-tuning: 50 epochs, lr 1e-4, oracle q*(t) ~ exp(-(SSE_t + price c_t) / beta)
+    """Fresh exits trained on the frozen pre-trained backbone (the oracle never picks an untrained exit)."""
     stage1: StageConfig = stage_field(objective="stage1", variant="marginal", iterations=78700, batch_size=256, lr=1e-4,
                                  select="none", eval_every=1000, checkpoint_every=1000)
-    # Stage II policy; validation scores ignore the price, so the last weights are kept
+    """Stage I fine-tuning under the oracle q*(t) ~ exp(-(SSE_t + price c_t) / beta)."""
     stage2: StageConfig = stage_field(objective="stage2", variant="forward_kl", iterations=20000, batch_size=256, lr=1e-3,
                                  select="none", eval_every=1000, checkpoint_every=1000)
-    # optional Stage III (0 iterations = skipped)
+    """Stage II: the policy (validation ignores the price, so the last weights are kept)."""
     stage3: StageConfig = stage_field(objective="stage3", iterations=0, batch_size=64, lr=1e-5, select="none",
                                  eval_every=500, checkpoint_every=500)
+    """Optional Stage III (0 iterations: skipped)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Test noise levels, BM3D and the figure."""
     denoise: DenoiseCommandConfig = field(default_factory=DenoiseCommandConfig)
+    """The inputs of the denoise command."""
 
     def __post_init__(self):
         for name in ("baseline", "heads", "stage1", "stage2", "stage3"):

@@ -41,9 +41,13 @@ class EvalConfig:
     both meta-learners (the fixed-depth and oracle rows); two more passes over the test tasks."""
 
     tasks: int = 600
+    """Test tasks, the same for every method."""
     val_tasks: int = 100
+    """Validation tasks (model selection and calibration)."""
     chunk: int = 20
+    """Tasks per forward pass."""
     per_step: bool = True
+    """Also run every step of both meta-learners (the fixed-depth and oracle rows): two more passes over the test tasks."""
 
     def __post_init__(self):
         ints_at_least(self, "tasks", "val_tasks", "chunk")
@@ -56,17 +60,7 @@ def _stage(**kw) -> Any:
 
 @dataclass
 class MAMLConfig:
-    """MAML vs MAML-stop (paper Sec. 5.2). Defaults: Omniglot 20-way 1-5-shot, Table 4's setting.
-
-    method: beta (0.01 in the paper), depth prior and price on inner steps, inherited by every stage.
-    inference: the test-time stop rule (replaced by ``calibration.json`` once a run is calibrated).
-    maml: the baseline, trained on the query loss after all T inner steps (stage ``baseline``).
-    stage1: MAML-stop's meta-learner (sampled Stage I with the no-grad pass and recompute, App. B.2).
-    posterior: with ``model.policy_posterior``, the policy's posterior-mean estimate alone (objective
-        ``auxiliary``: regression on the query targets, no inner loop) on fresh training tasks, between Stage I and
-        Stage II; without it the stage is not run.
-    stage2: the stopping policy fitted to the oracle with theta frozen (the estimate as its stage left it).
-    """
+    """MAML vs MAML-stop (paper Sec. 5.2). Defaults: Omniglot 20-way 1-5-shot, Table 4's setting."""
 
     #: only the test-time rule is read-only here: ``eval`` fixes the validation tasks training selects on
     reader_fields: ClassVar[tuple[str, ...]] = ("inference",)
@@ -74,16 +68,28 @@ class MAMLConfig:
     location_fields: ClassVar[tuple[str, ...]] = ("data.path", "data.split_file")
 
     seed: int = 0
+    """Seed of training: initialisation and the training tasks."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Where the tasks come from, and the N-way K-shot setting."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The learner, its inner loop and the policy."""
     method: MethodConfig = field(default_factory=lambda: MethodConfig(beta=0.01))
+    """beta (0.01 in the paper), depth prior and price on inner steps, inherited by every stage."""
     inference: InferenceConfig = field(default_factory=InferenceConfig)
+    """the test-time stop rule (replaced by ``calibration.json`` once a run is calibrated)."""
     maml: StageConfig = _stage(objective="deep_supervision")
+    """the baseline, trained on the query loss after all T inner steps (stage ``baseline``)."""
     stage1: StageConfig = _stage(objective="stage1", variant="sampled", recompute=True)
+    """MAML-stop's meta-learner (sampled Stage I with the no-grad pass and recompute, App. B.2)."""
     posterior: StageConfig = _stage(objective="auxiliary", iterations=6000, batch_size=64, lr_schedule="step",
                                     lr_decay_at=(0.7,), eval_every=3000, checkpoint_every=1000)
+    """with ``model.policy_posterior``, the policy's posterior-mean estimate alone (objective ``auxiliary``: regression
+    on the query targets, no inner loop) on fresh training tasks, between Stage I and Stage II; without it the stage
+    is not run."""
     stage2: StageConfig = _stage(objective="stage2", variant="map", iterations=5000)
+    """the stopping policy fitted to the oracle with theta frozen (the estimate as its stage left it)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """The fixed validation and test task sets."""
 
     def __post_init__(self):
         require(self.maml.objective == "deep_supervision", "maml.objective",

@@ -373,33 +373,34 @@ class AnsweringMAML(MAMLModel):
 
 @dataclass
 class ModelConfig:
-    """The learner and its inner loop. inner_steps: T (the policy picks among steps 1..T).
-
-    inner_grad_clip: bound on each task's inner gradient norm (see :class:`MAMLModel`); it keeps the
-    late inner steps from diverging when Stage I rarely trains them. 0 is the paper's unbounded step.
-    policy_posterior: the stopping policy also reads each step's distance to a learned posterior-mean estimate of
-    the query targets (:class:`~learn2stop.tasks.maml.policy.PosteriorPredictive`; regression only), trained alone in
-    the ``posterior`` stage and left as it is by Stage II, and a stop answers with the kept answer: the prediction
-    of the step s <= t nearest that estimate (:class:`AnsweringMAML`, from Stage II on). Off for classification
-    (Omniglot, MiniImagenet); on in the quick (sinusoid) preset, where the policy's quantile 0.5 closes 64-69 % of
-    the gap from the best fixed depth to the oracle step where answering with the step it stops at closed 27 %
-    (docs/maml.md).
-    policy_inputs: what the stopping policy reads besides its scalars (:class:`~learn2stop.tasks.maml.policy.MAMLStopPolicy`):
-    ``"joint"`` (default) the DeepSets embeddings of the support and query sets, ``"scalars"`` none (the quick
-    preset's: with the posterior-mean distances it loses at most 0.005 query MSE at 3-5 steps, and its call costs
-    0.18 ms at 100 tasks instead of 1.2: docs/maml.md). With both the kept answer and ``"scalars"`` the support loss
-    the policy reads at step t is the one step t's inner gradient was taken of (the weights before the step), which
-    costs nothing; otherwise that of step t's weights, a support-set forward at every step it reads.
-    """
+    """The learner and its inner loop."""
 
     network: str = "conv4"
+    """The learner's architecture (conv4 for images, an MLP for sinusoid)."""
     hidden: int = 64
+    """Channels (conv4) or hidden width (MLP) of the learner."""
     inner_steps: int = 10
+    """T: inner gradient steps (the policy picks among steps 1..T)."""
     inner_lr: float = 0.1
+    """Step size of the inner loop."""
     first_order: bool = False
+    """First-order MAML: no gradient through the inner steps' gradients."""
     inner_grad_clip: float = INNER_GRAD_CLIP
+    """bound on each task's inner gradient norm (see :class:`MAMLModel`); it keeps the late inner steps from diverging
+    when Stage I rarely trains them. 0 is the paper's unbounded step."""
     policy_posterior: bool = False
+    """the stopping policy also reads each step's distance to a learned posterior-mean estimate of the query targets
+    (:class:`~learn2stop.tasks.maml.policy.PosteriorPredictive`; regression only), trained alone in the ``posterior``
+    stage and left as it is by Stage II; a stop then answers with the kept answer, the prediction of the step s <= t
+    nearest that estimate (:class:`AnsweringMAML`, from Stage II on). Off by default (Omniglot, MiniImagenet); on in
+    the quick (sinusoid) preset."""
     policy_inputs: str = "joint"
+    """what the stopping policy reads besides its scalars (:class:`~learn2stop.tasks.maml.policy.MAMLStopPolicy`):
+    ``"joint"`` (default) the DeepSets embeddings of the support and query sets, ``"scalars"`` none (the quick
+    preset's: with the posterior-mean distances it loses at most 0.005 query MSE at 3-5 steps, and its call is about
+    a sixth of the joint one's at 100 tasks: docs/maml.md). With ``policy_posterior`` and ``"scalars"`` the support
+    loss the policy reads at step t is the one step t's inner gradient was taken of (the weights before the step),
+    which costs nothing; otherwise that of step t's weights, a support-set forward at every step it reads."""
 
     def __post_init__(self):
         one_of(self.network, NETWORKS.names(), "network")

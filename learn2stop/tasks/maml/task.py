@@ -21,27 +21,29 @@ SOURCES = ("sinusoid", "omniglot_npz", "omniglot_folders", "miniimagenet")
 
 @dataclass
 class DataConfig:
-    """Which tasks: the source, its path, and the N-way k1-k2-shot setting.
-
-    source: sinusoid (embedded, no data) | omniglot_npz (background.npz + evaluation.npz) |
-        omniglot_folders (images_background/ + images_evaluation/ PNGs) | miniimagenet (images/ + CSVs).
-    split_file: Omniglot character order (first 1100 train, 100 val, rest test); "" = path/maml_split.txt.
-    k_min, k_max: the task's shot count K ~ U{k_min..k_max}; equal values give the vanilla setting.
-    query_per_class: query examples per class (sinusoid: query points per task).
-    rotations: add every class rotated by 90/180/270 degrees as new classes (Omniglot).
-    noise: sinusoid only, std of the noise on support targets.
-    """
+    """Which tasks: the source, its path, and the N-way k1-k2-shot setting."""
 
     source: str = "omniglot_npz"
+    """sinusoid (embedded, no data) | omniglot_npz (background.npz + evaluation.npz) | omniglot_folders
+    (images_background/ + images_evaluation/ PNGs) | miniimagenet (images/ + CSVs)."""
     path: str = "../shared/data/omniglot"
+    """Folder of the data set (unused by sinusoid)."""
     split_file: str = ""
+    """Omniglot character order (first 1100 train, 100 val, rest test); "" = path/maml_split.txt."""
     n_way: int = 20
+    """Classes per task (N)."""
     k_min: int = 1
+    """the task's shot count K ~ U{k_min..k_max}; equal values give the vanilla setting."""
     k_max: int = 5
+    """the task's shot count K ~ U{k_min..k_max}; equal values give the vanilla setting."""
     query_per_class: int = 1
+    """query examples per class (sinusoid: query points per task)."""
     rotations: bool = True
+    """add every class rotated by 90/180/270 degrees as new classes (Omniglot)."""
     image_size: int = 28
+    """Side in pixels to which images are resized (>= 16)."""
     noise: float = 0.0
+    """sinusoid only, std of the noise on support targets."""
 
     def __post_init__(self):
         one_of(self.source, SOURCES, "source")

@@ -12,10 +12,16 @@ from .problem import ProblemConfig
 
 @dataclass
 class LISTAConfig:
+    """LISTA: ISTA unrolled for ``num_steps`` steps with learned weights and thresholds."""
+
     num_steps: int = 20
+    """T: the unrolled LISTA steps (the policy picks one of 1..T)."""
     L: float = 3.0
+    """ISTA's step size 1/L, from which LISTA's weights start."""
     rho: float = 0.1
+    """ISTA's l1 weight, from which LISTA's thresholds start."""
     shrinkage: str = "soft"
+    """soft (the paper's soft threshold) or smooth (the release's smoothed one)."""
 
     def __post_init__(self):
         positive_int(self.num_steps, "num_steps")
@@ -26,25 +32,23 @@ class LISTAConfig:
 
 @dataclass
 class PolicyConfig:
-    """The stopping policy's architecture (how it is used at test time is ``inference``).
-
-    features: ``plan`` (one call per sample plans the depth from four norms of the state at ``min_step``, no
-        product with A: :class:`SparseDepthPlanner`), or a policy asked at every step with ``sketch`` statistics
-        or the release's ``full`` input.
-
-    min_mass: steps before the first one whose mean validation oracle mass q*(t) exceeds this
-        become ``min_step`` (the policy is not evaluated there); 0 disables it.
-    replan_mass: with ``plan``, plan the samples still running once more, from the last move and a few norms
-        of the state, at the first step before which the validation oracle holds this share of its mass (after
-        the plan step, before T; 0.3 gives step 10 of 16 on the quick problem); 0: one plan. Read by the price
-        rule (``inference.rule price``); Stage III and AEVB train the first plan only.
-    """
+    """The stopping policy's architecture (how it is used at test time is ``inference``)."""
 
     features: str = "plan"
+    """``plan`` (one call per sample plans the depth from the state at ``min_step``: :class:`SparseDepthPlanner`), or a
+    policy asked at every step with ``sketch`` statistics or the release's ``full`` input."""
     sketch_dim: int = 32
+    """With features sketch: rows of the random sketch of y and of the residual."""
     hidden: tuple[int, ...] = (64, 64)
+    """Widths of the policy MLP's hidden layers."""
     min_mass: float = 0.001
+    """steps before the first one whose mean validation oracle mass q*(t) exceeds this become ``min_step`` (the policy
+    is not evaluated there); 0 disables it."""
     replan_mass: float = 0.0
+    """with ``plan``, plan the samples still running once more, from the last move and a few norms of the state, at the
+    first step before which the validation oracle holds this share of its mass (after the plan step, before T; 0.3
+    gives step 10 of 16 on the quick problem); 0: one plan. Read by the price rule (``inference.rule price``); Stage
+    III and AEVB train the first plan only."""
 
     def __post_init__(self):
         one_of(self.features, ("plan", "sketch", "full"), "features")
@@ -62,9 +66,13 @@ class ClassicalConfig:
     """Grid search of ISTA/FISTA's step size 1/L and l1 weight rho on training problems."""
 
     depths: tuple[int, ...] = (20, 100)
+    """The fixed depths at which ISTA and FISTA are tuned and reported."""
     L_grid: tuple[float, ...] = (2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0)
+    """Candidate L (step size 1/L)."""
     rho_grid: tuple[float, ...] = (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.14, 0.2, 0.3)
+    """Candidate l1 weights rho."""
     tune_samples: int = 1000
+    """Training problems the grid search scores on."""
 
     def __post_init__(self):
         for name in ("depths", "L_grid", "rho_grid"):
@@ -78,41 +86,52 @@ class ClassicalConfig:
 
 @dataclass
 class SparseConfig:
-    """Everything a sparse-recovery run needs. Defaults are the paper preset.
-
-    method: beta (0.28 in the paper), depth prior and price on steps, inherited by every stage.
-    inference: the test-time stop rule (replaced by ``calibration.json`` once a run is calibrated).
-    stage1_init / aevb_init: start Stage I / AEVB from ISTA's weights or from the trained LISTA baseline.
-    equal_budget: also train LISTA on from the baseline for Stage I's iterations, with Stage I's schedule
-        (stage ``lista_equal``): the LISTA that had the same training budget as LISTA-stop's theta.
-    """
+    """Everything a sparse-recovery run needs. Defaults are the paper preset."""
 
     #: read-only sections, left out of the run's fingerprint: the test-time rule, the evaluation batch and the classical baselines' tuning
     reader_fields: ClassVar[tuple[str, ...]] = ('inference', 'eval_batch', 'classical')
 
     seed: int = 0
+    """Seed of training: the weights' initialisation and the training problems."""
     problem: ProblemConfig = field(default_factory=ProblemConfig)
+    """The sparse-recovery problem: sizes, noise levels, the matrix and the fixed sets."""
     lista: LISTAConfig = field(default_factory=LISTAConfig)
+    """LISTA, the step-wise model."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     method: MethodConfig = field(default_factory=lambda: MethodConfig(beta=0.28))
+    """beta (0.28 in the paper), depth prior and price on steps, inherited by every stage."""
     inference: InferenceConfig = field(default_factory=InferenceConfig)
+    """the test-time stop rule (replaced by ``calibration.json`` once a run is calibrated)."""
     classical: ClassicalConfig = field(default_factory=ClassicalConfig)
+    """Grid search of ISTA and FISTA, the classical baselines."""
     baseline: StageConfig = stage_field(objective="deep_supervision", gamma=1.0, iterations=100_000, batch_size=512,
                                    lr=1e-4, weight_decay=1e-4, eval_every=1000, checkpoint_every=1000)
+    """LISTA trained alone (deep supervision): the full-depth baseline."""
     stage1: StageConfig = stage_field(objective="stage1", variant="expected", iterations=50_000, batch_size=1024,
                                  lr=1e-4, weight_decay=1e-4, eval_every=1000, checkpoint_every=1000)
+    """Stage I: LISTA-stop's theta fitted under the oracle q*."""
     stage2: StageConfig = stage_field(objective="stage2", variant="forward_kl", iterations=40_000, batch_size=256,
                                  lr=1e-3, weight_decay=1e-4, eval_every=1000, checkpoint_every=1000)
+    """Stage II: the policy fitted to the oracle, theta frozen."""
     stage3: StageConfig = stage_field(objective="stage3", iterations=10_000, batch_size=1024,
                                  lr=1e-5, weight_decay=1e-4, eval_every=1000, checkpoint_every=1000)
+    """Stage III: theta and the policy fine-tuned together (beta-VAE objective)."""
     aevb: StageConfig = stage_field(objective="aevb", iterations=50_000, batch_size=1024,
                                lr=1e-4, weight_decay=1e-4, eval_every=1000, checkpoint_every=1000)
+    """AEVB: theta and the policy trained jointly from the start (the paper's comparison)."""
     stage1_init: str = "ista"
+    """start Stage I / AEVB from ISTA's weights or from the trained LISTA baseline."""
     aevb_init: str = "ista"
+    """start Stage I / AEVB from ISTA's weights or from the trained LISTA baseline."""
     equal_budget: bool = False
+    """also train LISTA on from the baseline for Stage I's iterations, with Stage I's schedule (stage ``lista_equal``):
+    the LISTA that had the same training budget as LISTA-stop's theta."""
     run_stage3: bool = True
+    """Train Stage III after Stage II."""
     run_aevb: bool = True
+    """Train the AEVB comparison."""
     eval_batch: int = 1000
+    """Test problems per forward pass in evaluation."""
 
     def __post_init__(self):
         positive_int(self.eval_batch, "eval_batch")
