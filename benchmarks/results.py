@@ -180,10 +180,10 @@ TABLE_FIELDS = {"title": str, "headers": list, "rows": list}
 
 def check_record(record: Any, where: str) -> None:
     """Refuse a record that lacks a field a table reads, naming the field (``summary.baseline.metric``)."""
-    def get(d, dotted):
+    def get(d, dotted, shown=None):
         for part in dotted.split("."):
             if not isinstance(d, dict) or part not in d:
-                raise RecordError(f"{where}: field '{dotted}' is missing")
+                raise RecordError(f"{where}: field '{shown or dotted}' is missing")
             d = d[part]
         return d
 
@@ -203,10 +203,10 @@ def check_record(record: Any, where: str) -> None:
     for i, rule in enumerate(record["summary"]["rules"]):
         fields = {**RULE_FIELDS, **(REACHED_FIELDS if rule.get("reached") else {})}
         for name, types in fields.items():
-            typed(get(rule, name), types, f"summary.rules[{i}].{name}")
+            typed(get(rule, name, f"summary.rules[{i}].{name}"), types, f"summary.rules[{i}].{name}")
     for name, table in record["tables"].items():
         for field, types in TABLE_FIELDS.items():
-            typed(get(table, field), types, f"tables.{name}.{field}")
+            typed(get(table, field, f"tables.{name}.{field}"), types, f"tables.{name}.{field}")
 
 
 def write_record(record: dict, records: Path = RECORDS) -> Path:
