@@ -8,9 +8,9 @@ Recording a run reads what ``learn2stop <task> reproduce`` wrote in its director
 ``config.yaml`` (compared with the task's presets: the preset, and any field set apart from it, make the command),
 ``in_time.json`` (every rule calibrated to keep the baseline's full-depth quality, timed beside it: the deployed
 rule, its depth and its speed), and every markdown table of the run's own reports (``table1.md``, ``results.md``,
-``table7.md``, ``frontier.md``, ...). It writes ``docs/results/<run-name>.json``: those numbers, the preset and the
-command, nothing else. ``--threads N`` says the run was made with ``--threads N`` (the run directory does not
-record it).
+``table7.md``, ``frontier.md``, ...; not a listing longer than :data:`MAX_ROWS` rows). It writes
+``docs/results/<run-name>.json``: those numbers, the preset and the command, nothing else. ``--threads N`` says
+the run was made with ``--threads N`` (the run directory does not record it).
 
 A table is marked in a markdown file as::
 
@@ -37,8 +37,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "results"
 FORMAT = 1
 
-#: run-directory reports that are not tables of results
+#: run-directory reports that are not tables of results (in_time.json is read instead)
 NOT_TABLES = ("in_time.md",)
+#: a longer table is a listing (the frontier's every point, kept in frontier.json), not a summary: not recorded
+MAX_ROWS = 30
 
 MARKER = re.compile(r"<!-- results:(?P<spec>[^>]*?) -->\n(?P<body>.*?)<!-- /results -->", re.S)
 
@@ -81,13 +83,15 @@ def markdown_tables(text: str) -> list[dict]:
 
 
 def run_tables(run_dir: Path) -> dict[str, dict]:
-    """Every table of the run's markdown reports, named by file stem (``table7``, a second table ``table7.2``)."""
+    """Every table of the run's markdown reports of at most :data:`MAX_ROWS` rows, named by file stem and place in
+    the file (``table7``, its second table ``table7.2``)."""
     out = {}
     for path in sorted(run_dir.glob("*.md")):
         if path.name in NOT_TABLES:
             continue
         for k, table in enumerate(markdown_tables(path.read_text(encoding="utf-8")), 1):
-            out[path.stem if k == 1 else f"{path.stem}.{k}"] = table
+            if len(table["rows"]) <= MAX_ROWS:
+                out[path.stem if k == 1 else f"{path.stem}.{k}"] = table
     return out
 
 
@@ -262,10 +266,9 @@ def summary_row(run: str, record: dict | None) -> str:
     task = f"{record['task']} ({record['preset']}): {metric}"
     base = f"{s['reference']}: {_num(s['baseline']['metric'])}"
     if s["deployed"] == "baseline":
-        reached = [r for r in s["rules"] if r["reached"]]
-        note = ("no rule of the stop model reaches it on validation, so the run serves the baseline"
-                if not reached else "the run serves the baseline")
-        return f"| {task} | {base} | {note} | {_steps(T)} of {_steps(T)} | 1.00× (the baseline) |"
+        note = ("the baseline: neither the policy rule nor a fixed depth of the stop model reaches its quality on "
+                "validation")
+        return f"| {task} | {base} | {note} | {_steps(T)} of {_steps(T)} | 1.00× (the baseline itself) |"
     r = rules.get(s["deployed"])
     if r is None or not r["reached"]:
         raise RecordError(f"{record['run']}: summary.deployed is {s['deployed']!r}, which has no reached row in "

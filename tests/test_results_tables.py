@@ -112,3 +112,36 @@ def test_the_preset_and_its_flags_are_read_off_the_config():
     assert results.preset_and_flags("sparse", config) == ("quick", [])
     config["lista"]["num_steps"] = 12
     assert results.preset_and_flags("sparse", config) == ("quick", ["--lista.num_steps 12"])
+
+
+def test_a_tiny_reproduce_is_recorded_and_rendered(tmp_path):
+    """A real (tiny) sparse reproduce: its record names the preset and every flag set apart from it, holds the
+    deployed rule's numbers as in_time.json has them and Table 1 as table1.md has it, and renders."""
+    from learn2stop.cli import main
+
+    from test_cli import TINY
+
+    run = tmp_path / "sparse-quick"
+    assert main(["sparse", "reproduce", "--preset", "quick", "--run-dir", str(run), "--no-progress", *TINY]) == 0
+    record = results.record_run(run, threads=1)
+    assert record["task"] == "sparse" and record["preset"] == "quick" and record["run"] == "sparse-quick"
+    assert record["command"].startswith("learn2stop sparse reproduce --preset quick --problem.m 13 --problem.n 27")
+    assert record["command"].endswith("--threads 1") and "--lista.num_steps 5" in record["command"]
+    in_time = json.loads((run / "in_time.json").read_text())
+    s = record["summary"]
+    assert s["deployed"] == in_time["deployed"] and s["num_steps"] == 5
+    assert s["baseline"]["metric"] == next(r["metric"] for r in in_time["rows"] if r["rule"] == "baseline")
+    assert [r["rule"] for r in s["rules"]] == [r["rule"] for r in in_time["rows"] if r["rule"] != "baseline"]
+    table1 = (run / "table1.md").read_text()
+    assert record["tables"]["table1"]["rows"][0][0] in table1 and "table2" in record["tables"]
+    records = {"sparse-quick": record}
+    text = "<!-- results:summary sparse-quick -->\n<!-- /results -->\n<!-- results:sparse-quick/table1 -->\n<!-- /results -->"
+    out = results.render_text(text, records)
+    assert "sparse (quick): NMSE (dB)" in out and "LISTA (T=5)" in out and record["command"] in out
+    assert results.render_text(out, records) == out  # rendering is idempotent
+    with pytest.raises(results.RecordError, match="has no table 'table9'"):
+        results.render_text("<!-- results:sparse-quick/table9 -->\n<!-- /results -->", records)
+
+
+def test_check_mode_passes_on_the_committed_docs(capsys):
+    assert results.main(["--check"]) == 0
