@@ -259,7 +259,8 @@ def pending_command(run: str) -> str:
 def summary_row(run: str, record: dict | None) -> str:
     """One README row: task, baseline at full depth, deployed stop model, mean depth, speed at the baseline's quality."""
     if record is None:
-        return f"| {run} | not recorded yet: {pending_command(run)} | | | |"
+        task, _, preset = run.partition("-")
+        return f"| {task} ({preset or 'quick'}) | not recorded yet: {pending_command(run)} | | | |"
     s = record["summary"]
     metric, sizes, T = s["metric"], s["batch_sizes"], s["num_steps"]
     rules = {r["rule"]: r for r in s["rules"]}
