@@ -11,10 +11,10 @@ Each step runs as its own process with its own time limit, so a failing step cos
    at batch 1 and 256 (all test images in batches of 256, best of 5 passes), with the speed at the network's accuracy;
 3. ``benchmarks/exit_costs.py --device cuda``: each exit's share of time against its share of FLOPs;
 4. ``sparse frontier --device cuda`` on a trained quick run (batch 1 and 1000);
-5. ``classify reproduce --preset cifar --device cuda`` (VGG16-BN, a few CPU-hours; on an H200 its training took
-   270 s and its frontier more than the 40 s then left), in what time is left;
-6. ``sparse reproduce --preset paper-cpu --device cuda`` (the paper's problem: about 3 CPU-hours on 2 cores, 406 s of
-   training and 45 s of tables on an H200), in what time is left. Its stop model and LISTA baseline come back to
+5. ``classify reproduce --preset cifar --device cuda`` (VGG16-BN, a few CPU-hours; minutes on a GPU), in what time is
+   left;
+6. ``sparse reproduce --preset paper-cpu --device cuda`` (the paper's problem: about 3 CPU-hours on 2 cores, minutes
+   on a GPU), in what time is left. Its stop model and LISTA baseline come back to
    be timed where they are deployed: their finished checkpoints, without optimizer state, as ``OUT/<run>.ckpt.partN``
    (15 MiB parts: a lease returns at most 8 files of 16 MiB). ``--unpack`` rebuilds the run from them and
    ``results.tar.gz``, ready for ``learn2stop sparse frontier --preset paper-cpu --run-dir <into>/sparse-paper-cpu``.
