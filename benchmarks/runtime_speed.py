@@ -104,7 +104,7 @@ def classify_model(tiny: bool, bias: float | None, n: int):
 
 def denoise_model(tiny: bool, bias: float | None, n: int):
     """The quick preset's DnCNN-stop (its exits and policy) and n noisy random-texture images of 64x64 (32x32 tiny)."""
-    from learn2stop.tasks.denoise.task import preset
+    from learn2stop.tasks.denoise.config import preset
 
     cfg = preset("quick", **({"model": {"depth": 5, "channels": 8, "outputs": [2, 3], "policy_hidden": 8}} if tiny else {}))
     from learn2stop.tasks.denoise.app import APP

@@ -16,7 +16,8 @@ from learn2stop.core.train import load_stage
 from learn2stop.tasks.base import RunContext
 from learn2stop.tasks.denoise import add_noise, psnr
 from learn2stop.tasks.denoise.app import APP, denoise_files, evaluate, train
-from learn2stop.tasks.denoise.task import PRESETS, DenoiseAppConfig, load_test_images, load_training_images
+from learn2stop.tasks.denoise.config import PRESETS, DenoiseAppConfig
+from learn2stop.tasks.denoise.data import load_test_images, load_training_images
 from learn2stop.utils.checkpoint import CheckpointError
 from learn2stop.utils.config import merge, resolve
 
@@ -195,8 +196,8 @@ def test_presets_resolve():
 
 def test_bm3d_baseline_when_installed():
     pytest.importorskip("bm3d")
-    from learn2stop.tasks.denoise.bm3d_baseline import bm3d_denoise
-    from learn2stop.tasks.denoise.data import synthetic_images
+    from learn2stop.tasks.denoise.images import synthetic_images
+    from learn2stop.tasks.denoise.models import bm3d_denoise
 
     clean = synthetic_images(1, 32, seed=3)[0]
     noisy = clean + np.random.default_rng(0).normal(0, 25 / 255, clean.shape).astype(np.float32)

@@ -8,9 +8,9 @@ from PIL import Image
 
 from conftest import shared_data
 from learn2stop.tasks.denoise import ImageDataError, PatchBank, add_noise, augment, inverse_augment, load_image, psnr
-from learn2stop.tasks.denoise.app import DataConfig, EvalConfig, DenoiseCommandConfig
-from learn2stop.tasks.denoise.data import grid_count, list_images, load_folder, sample_sigmas, synthetic_images
-from learn2stop.tasks.denoise.task import DenoiseTask
+from learn2stop.tasks.denoise.config import DataConfig, EvalConfig, DenoiseCommandConfig
+from learn2stop.tasks.denoise.data import DenoiseTask, grid_count, sample_sigmas
+from learn2stop.tasks.denoise.images import list_images, load_folder, synthetic_images
 from learn2stop.utils.config import ConfigError
 
 
