@@ -194,18 +194,6 @@ def test_presets_resolve():
     assert quick.method.price > 0 and quick.stage1.inherit(quick.method).price == quick.method.price
 
 
-def test_bm3d_baseline_when_installed():
-    pytest.importorskip("bm3d")
-    from learn2stop.tasks.denoise.images import synthetic_images
-    from learn2stop.tasks.denoise.models import bm3d_denoise
-
-    clean = synthetic_images(1, 32, seed=3)[0]
-    noisy = clean + np.random.default_rng(0).normal(0, 25 / 255, clean.shape).astype(np.float32)
-    out = bm3d_denoise(noisy, 25.0)
-    t = lambda a: torch.from_numpy(np.asarray(a, np.float32))[None, None]
-    assert float(psnr(t(out), t(clean))) > float(psnr(t(noisy), t(clean))) + 1.0
-
-
 def test_validation_split_is_disjoint_from_training_and_test(tmp_path):
     folder = tmp_path / "train"
     folder.mkdir()
