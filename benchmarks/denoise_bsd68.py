@@ -41,8 +41,8 @@ from learn2stop.core.calibrate import calibrate_command
 from learn2stop.core.frontier import frontier_command  # noqa: E402
 from learn2stop.tasks.base import RunContext  # noqa: E402
 from learn2stop.tasks.denoise.app import APP, evaluate, train  # noqa: E402
-from learn2stop.tasks.denoise.metrics import PAPER_TABLE6  # noqa: E402
-from learn2stop.tasks.denoise.task import PRESETS, DenoiseAppConfig  # noqa: E402
+from learn2stop.tasks.denoise.config import PRESETS, DenoiseAppConfig  # noqa: E402
+from learn2stop.tasks.denoise.report import PAPER_TABLE6  # noqa: E402
 from learn2stop.utils.config import merge, resolve  # noqa: E402
 
 

@@ -76,7 +76,8 @@ def _set_bias(policy: nn.Module, bias: float | None, T: int) -> None:
 def sparse_model(tiny: bool, bias: float | None, n: int, features: str = "plan"):
     """LISTA-stop as the quick preset builds it (ISTA-initialised LISTA and its policy: by default the
     planning policy), and n of the preset's test problems."""
-    from learn2stop.tasks.sparse.app import APP, preset
+    from learn2stop.tasks.sparse.app import APP
+    from learn2stop.tasks.sparse.config import preset
 
     small = {"problem": {"m": 13, "n": 27, "test_per_snr": 10, "val_per_snr": 10}, "lista": {"num_steps": 5},
              "policy": {"sketch_dim": 4, "hidden": [8]}} if tiny else {}
@@ -103,7 +104,7 @@ def classify_model(tiny: bool, bias: float | None, n: int):
 
 def denoise_model(tiny: bool, bias: float | None, n: int):
     """The quick preset's DnCNN-stop (its exits and policy) and n noisy random-texture images of 64x64 (32x32 tiny)."""
-    from learn2stop.tasks.denoise.task import preset
+    from learn2stop.tasks.denoise.config import preset
 
     cfg = preset("quick", **({"model": {"depth": 5, "channels": 8, "outputs": [2, 3], "policy_hidden": 8}} if tiny else {}))
     from learn2stop.tasks.denoise.app import APP

@@ -4,7 +4,7 @@
     python benchmarks/sparse_tables.py --preset paper-cpu  # Table 1's accuracy on 2 CPU cores (66 min measured)
     python benchmarks/sparse_tables.py --preset paper    # the paper's full schedule (days on CPU; GPU advised)
 
-Presets (see learn2stop/tasks/sparse/app.py): ``paper`` = the paper's settings (100k/50k/40k iterations
+Presets (see learn2stop/tasks/sparse/config.py): ``paper`` = the paper's settings (100k/50k/40k iterations
 at lr 1e-4); ``paper-cpu`` = the same problem with 12k LISTA iterations, a sharp Stage I (beta 0.05)
 and LISTA trained on for the same budget ("equal budget" row); ``fast`` = the same problem (m=250, n=500, T=20, SNR 20/30/40, 3000 test samples) with
 1500 iterations per stage at lr 1e-3 and a cosine schedule: the documented reduction that fits the

@@ -102,7 +102,8 @@ def test_paper_cpu_preset_trains_equal_budget_lista_and_reports_training_curves(
     """paper-cpu's extra pieces on a tiny problem: LISTA trained on for Stage I's iterations (an equal
     budget), AEVB from LISTA's weights, each cell beside the paper's, NMSE against training time."""
     from learn2stop.tasks.sparse import preset
-    from learn2stop.tasks.sparse.app import APP, equal_budget_config
+    from learn2stop.tasks.sparse.app import APP
+    from learn2stop.tasks.sparse.config import equal_budget_config
 
     cfg = preset("paper-cpu")
     stages = {s.name: s for s in APP.stages(cfg)}

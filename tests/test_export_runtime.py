@@ -376,7 +376,8 @@ def test_cli_exports_a_trained_run_and_refuses_an_unfinished_one(tmp_path, capsy
     # the runtime on the task's test inputs: the run's own stop model and rule, loaded the CLI's way
     from learn2stop.cli import build_parser
     from learn2stop.core.train import load_stage
-    from learn2stop.tasks.sparse.app import APP, PRESETS, SparseConfig
+    from learn2stop.tasks.sparse.app import APP
+    from learn2stop.tasks.sparse.config import PRESETS, SparseConfig
     from learn2stop.utils.config import overrides_from_args, resolve
 
     cfg = resolve(SparseConfig, PRESETS["quick"], None, overrides_from_args(build_parser("sparse", "export").parse_args(TINY)))

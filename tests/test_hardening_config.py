@@ -116,7 +116,7 @@ def test_python_constructed_config_can_check_its_own_fields():
 
 # ----------------------------------------------------------------------------- a real task config
 def _sparse_field(name):
-    sparse = pytest.importorskip("learn2stop.tasks.sparse.app")
+    sparse = pytest.importorskip("learn2stop.tasks.sparse.config")
     if name not in {n for n, _, _ in leaf_fields(sparse.SparseConfig)}:
         pytest.skip(f"SparseConfig has no field {name} any more")
     return sparse.SparseConfig
@@ -137,7 +137,7 @@ def test_sparse_config_refuses_non_finite_bool_and_scalar_for_list(field, value,
 
 
 def test_sparse_empty_yaml_section_keeps_the_preset(tmp_path):
-    sparse = pytest.importorskip("learn2stop.tasks.sparse.app")
+    sparse = pytest.importorskip("learn2stop.tasks.sparse.config")
     preset = {"lista": {"rho": 0.125, "L": 4.5}}
     (tmp_path / "c.yaml").write_text("lista:\n")
     cfg = resolve(sparse.SparseConfig, preset, str(tmp_path / "c.yaml"), {"lista": {"L": 5.0}})

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from learn2stop.tasks.denoise.data import (ImageDataError, check_image_size, load_folder, load_image, save_image)
+from learn2stop.tasks.denoise.images import (ImageDataError, check_image_size, load_folder, load_image, save_image)
 from learn2stop.tasks.maml.data import (ClassImages, DataError, MiniImagenet, RotatedClasses, check_disjoint,
                                         load_omniglot_folders, load_omniglot_npz)
 

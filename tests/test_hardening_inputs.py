@@ -331,7 +331,7 @@ def test_the_price_rule_needs_a_planning_policy():
 
 
 def test_an_output_path_that_is_a_folder_or_under_a_file_is_named(tmp_path):
-    from learn2stop.tasks.denoise.data import ImageDataError, save_image
+    from learn2stop.tasks.denoise.images import ImageDataError, save_image
     from learn2stop.utils.report import write_json
 
     (tmp_path / "file.png").write_bytes(b"x")

@@ -94,7 +94,7 @@ def test_folder_listing_skips_hidden_files_and_names_an_empty_folder(tmp_path):
 
 def test_every_task_reads_a_16_bit_png_the_same_way(tmp_path):
     from learn2stop.tasks.classify.data import ImageDataError, load_image_file
-    from learn2stop.tasks.denoise.data import load_image
+    from learn2stop.tasks.denoise.images import load_image
     from learn2stop.tasks.maml.data import _load_gray
 
     ramp = (np.linspace(0, 65535, 8 * 8).reshape(8, 8)).astype(np.uint16)
@@ -140,7 +140,7 @@ def test_a_sideways_jpeg_photo_reads_upright_in_the_tasks_readers(tmp_path):
     orientation 6 is read 30 wide and 10 tall, its stored top-left corner at the top right; resized (classify's
     square input) from the upright image."""
     from learn2stop.tasks.classify.data import load_image_file
-    from learn2stop.tasks.denoise.data import load_image
+    from learn2stop.tasks.denoise.images import load_image
 
     stored = np.zeros((30, 10, 3), np.uint8)
     stored[:5, :5] = 255  # a white block in the stored top-left corner

@@ -2,7 +2,6 @@
 and a calibration replaced (learn2stop.utils.outputs). Each refusal comes before any work, in one line naming the
 user's argument and path, and what is replaced is kept beside the new one."""
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path

@@ -14,7 +14,7 @@ from torch import nn
 
 from learn2stop.core.calibration import Calibration, InferenceConfig
 from learn2stop.core.loop import StepView, as_stop_rule, run_with_early_exit, unroll
-from learn2stop.core.rules import (FixedDepth, PolicyRule, SignalRule, StopAtTimes, ToleranceRule, first_crossing,
+from learn2stop.core.rules import (FixedDepth, PolicyRule, StopAtTimes, ToleranceRule, first_crossing,
                                    make_signal, signal_trace)
 from learn2stop.core.distributions import stop_logits_from_distribution
 from learn2stop.runtime.registry import OFFERED_BY, get_rule, list_rules

@@ -1,155 +1,23 @@
-"""Images for blind denoising: folder loading, an embedded synthetic default, and patch sampling.
+"""Data for blind denoising: training patches, noise, the training / validation / test images and the training task.
 
-Images are float32 arrays in [0, 1] of shape (H, W) (one grey channel). Training patches are drawn
-on the fly from a multi-scale pyramid kept as uint8 (Train400 at 4 scales is about 38 MB), so memory
-stays bounded whatever the number of patches: a patch is an index (image, scale, row, column) into
-a grid of stride ``stride``, never a stored copy.
+Training patches are drawn on the fly from a multi-scale pyramid kept as uint8 (Train400 at 4 scales is about 38 MB),
+so memory stays bounded whatever the number of patches: a patch is an index (image, scale, row, column) into a grid
+of stride ``stride``, never a stored copy. The noise level is drawn per training patch and never given to the model
+(blind denoising). Image files and the embedded dead-leaves default are in :mod:`.images`.
 """
 from __future__ import annotations
 
-import math
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ...utils.checkpoint import atomic_write
-from ...utils.images import IMAGE_SUFFIXES, list_image_files, read_image  # noqa: F401 (IMAGE_SUFFIXES re-exported)
-
-
-class ImageDataError(ValueError):
-    """A folder or image that cannot be used; the message names the path."""
-
-
-# ----------------------------------------------------------------------------- loading
-def list_images(folder: str | Path) -> list[Path]:
-    """Sorted image files of ``folder`` (by suffix, hidden files skipped); a clear error if it is missing or has none."""
-    return list_image_files(folder, error=ImageDataError)
-
-
-def load_image(path: str | Path) -> np.ndarray:
-    """One image as float32 (H, W) in [0, 1] (read by :func:`utils.images.read_image`): 16-bit images
-    scaled by 65535, float images above 1 rescaled by their maximum, colour converted to grey
-    (ITU-R 601 luma), each with a warning naming the file.
-
-    Raises:
-        ImageDataError: if the file is missing, unreadable, too large or not an image.
-    """
-    img, notes = read_image(path, channels=1, error=ImageDataError)
-    for note in notes:
-        warnings.warn(note + ("; the denoiser works on one grey channel" if "converted" in note else ""), stacklevel=2)
-    return img[0]
-
-
-def check_image_size(img: np.ndarray, path: str | Path, min_size: int,
-                     reason: str = "patch size; remove it or lower data.patch_size") -> None:
-    """Raise ImageDataError naming the file if either side of a (H, W) image is below ``min_size``."""
-    if min(img.shape) < min_size:
-        raise ImageDataError(f"image {path} is {img.shape[1]}x{img.shape[0]} (width x height), smaller than "
-                             f"the {min_size}x{min_size} {reason}")
-
-
-def load_folder(folder: str | Path, min_size: int = 1,
-                reason: str = "patch size; remove it or lower data.patch_size") -> tuple[list[np.ndarray], list[str]]:
-    """All images of a folder and their file names; an image with a side below ``min_size`` is an error.
-
-    ``reason`` ends the message: what the minimum is and what to do (default: the training patch).
-    """
-    images, names = [], []
-    for path in list_images(folder):
-        img = load_image(path)
-        check_image_size(img, path, min_size, reason)
-        images.append(img)
-        names.append(path.name)
-    return images, names
-
-
-def save_image(img: np.ndarray | Tensor, path: str | Path) -> None:
-    """Write an image in [0, 1] as 8-bit grey (PNG by suffix), atomically (a temporary file renamed into place).
-
-    ``img``: (H, W), or (1, H, W) / (1, 1, H, W) with the leading singleton dims dropped, so a
-    1xN or 1x1 image keeps its orientation (a bare ``squeeze`` would not).
-    """
-    from PIL import Image
-
-    if isinstance(img, Tensor):
-        img = img.detach().cpu().numpy()
-    arr = np.asarray(img, dtype=np.float32)
-    while arr.ndim > 2 and arr.shape[0] == 1:
-        arr = arr[0]
-    if arr.ndim != 2 or arr.size == 0:
-        raise ImageDataError(f"cannot save {path}: expected a (H, W) grey image; got shape {np.asarray(img).shape}")
-    if not np.isfinite(arr).all():
-        raise ImageDataError(f"cannot save {path}: the image holds NaN or infinite values")
-    arr = np.clip(arr, 0, 1)
-    if Path(path).is_dir():
-        raise ImageDataError(f"cannot save {path}: it is a folder")
-    blocker = next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise ImageDataError(f"cannot save {path}: {blocker} is a file, not a folder")
-    fmt = Image.registered_extensions().get(Path(path).suffix.lower())
-    if fmt is None:
-        raise ImageDataError(f"cannot save {path}: {Path(path).suffix or 'no suffix'} is not an image format; use .png")
-    image = Image.fromarray((arr * 255.0 + 0.5).astype(np.uint8), mode="L")
-    atomic_write(path, lambda f: image.save(f, format=fmt), public=True)  # a kill leaves the old file or none, never half
-
-
-# ----------------------------------------------------------------------------- synthetic default
-def dead_leaves_image(size: int, generator: np.random.Generator, r_min: float = 1.5, r_max: float | None = None,
-                      num_shapes: int | None = None) -> np.ndarray:
-    """A grey "dead leaves" image: occluding discs with power-law radii and textured grey levels.
-
-    The dead-leaves model reproduces the scale invariance, occlusions and edge statistics of
-    natural images (Lee, Mumford & Huang 2001); denoisers trained on it come close to those
-    trained on photographs (Achddou et al. 2021). It lets the CLI run with no user data and
-    nothing downloaded. Radii follow p(r) ~ r^-3 on [r_min, r_max]; each disc gets a grey level,
-    a linear shading and, for some, a sinusoidal texture; later discs lie under earlier ones.
-
-    Returns:
-        float32 (size, size) in [0, 1].
-    """
-    r_max = r_max or size / 3
-    num_shapes = num_shapes or int(6 * size * size / (r_min * 40))
-    img = np.full((size, size), np.nan, dtype=np.float32)
-    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
-    # inverse-CDF sampling of p(r) ~ r^-3 on [r_min, r_max]
-    u = generator.random(num_shapes)
-    radii = (r_min ** -2 - u * (r_min ** -2 - r_max ** -2)) ** -0.5
-    for r in radii:
-        cy, cx = generator.uniform(-r, size + r, size=2)
-        y0, y1 = max(int(cy - r), 0), min(int(cy + r) + 2, size)
-        x0, x1 = max(int(cx - r), 0), min(int(cx + r) + 2, size)
-        if y0 >= y1 or x0 >= x1:
-            continue
-        sub_y, sub_x = yy[y0:y1, x0:x1], xx[y0:y1, x0:x1]
-        inside = ((sub_y - cy) ** 2 + (sub_x - cx) ** 2 <= r * r) & np.isnan(img[y0:y1, x0:x1])
-        if not inside.any():
-            continue
-        level = generator.uniform(0.05, 0.95)
-        gy, gx = generator.normal(0, 0.15 / max(r, 4.0), size=2)
-        value = level + gy * (sub_y - cy) + gx * (sub_x - cx)
-        if generator.random() < 0.3:  # a striped texture on some leaves
-            freq, angle = generator.uniform(0.3, 1.2), generator.uniform(0, math.pi)
-            value = value + 0.08 * np.sin(freq * (np.cos(angle) * sub_x + np.sin(angle) * sub_y))
-        block = img[y0:y1, x0:x1]
-        block[inside] = value[inside]
-        if not np.isnan(img).any():
-            break
-    img[np.isnan(img)] = generator.uniform(0.05, 0.95)
-    # a light blur so that edges are anti-aliased, as in photographs
-    k = np.array([0.25, 0.5, 0.25], dtype=np.float32)
-    img = np.apply_along_axis(lambda v: np.convolve(np.pad(v, 1, mode="edge"), k, mode="valid"), 0, img)
-    img = np.apply_along_axis(lambda v: np.convolve(np.pad(v, 1, mode="edge"), k, mode="valid"), 1, img)
-    return np.clip(img, 0.0, 1.0).astype(np.float32)
-
-
-def synthetic_images(count: int, size: int, seed: int) -> list[np.ndarray]:
-    """``count`` dead-leaves images of ``size`` x ``size``, deterministic in ``seed``."""
-    return [dead_leaves_image(size, np.random.default_rng([seed, i])) for i in range(count)]
+from ...core import derive_seed
+from .config import DenoiseAppConfig
+from .images import ImageDataError, load_folder, synthetic_images
+from .metric import sse_loss
 
 
 # ----------------------------------------------------------------------------- augmentation
@@ -277,3 +145,106 @@ def add_noise(clean: Tensor, sigma: Tensor | float, generator: torch.Generator) 
     sigma = sigma.reshape(-1, *([1] * (clean.dim() - 1))) if sigma.dim() else sigma
     noise = torch.randn(clean.shape, generator=generator, dtype=clean.dtype)
     return clean + noise * (sigma / 255.0)
+
+
+# ----------------------------------------------------------------------------- images
+def load_training_images(cfg: DenoiseAppConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(train images, validation images): a seeded, disjoint split of the training folder (or dead leaves)."""
+    d = cfg.data
+    if d.train_dir:
+        images, _ = load_folder(d.train_dir, min_size=d.patch_size)
+        images = images[:d.max_train_images] if d.max_train_images else images
+    else:
+        images = synthetic_images(d.synthetic_train, d.synthetic_size, seed=derive_seed(cfg.seed, "dead-leaves-train") % 2**32)
+    if len(images) < 2:
+        raise ImageDataError(f"need >= 2 training images (training and validation split); found {len(images)}")
+    perm = np.random.default_rng(cfg.seed).permutation(len(images))
+    n_val = min(max(1, int(round(d.val_fraction * len(images)))), len(images) - 1)
+    return [images[i] for i in perm[n_val:]], [images[i] for i in perm[:n_val]]
+
+
+def load_test_images(cfg: DenoiseAppConfig) -> tuple[list[np.ndarray], list[str]]:
+    """(test images, file names): the test folder, or dead-leaves images from another seed."""
+    d = cfg.data
+    if d.test_dir:
+        images, names = load_folder(d.test_dir)
+    else:
+        images = synthetic_images(d.synthetic_test, d.synthetic_size, seed=derive_seed(cfg.seed, "dead-leaves-test") % 2**32)
+        names = [f"dead_leaves_{i:03d}.png" for i in range(len(images))]
+    if d.max_test_images:
+        images, names = images[:d.max_test_images], names[:d.max_test_images]
+    return images, names
+
+
+@dataclass
+class NoisyImage:
+    """One evaluation sample: an image at one noise level, with its own seeded noise."""
+
+    noisy: torch.Tensor  # (1, 1, H, W)
+    clean: torch.Tensor  # (1, 1, H, W)
+    sigma: float
+    name: str
+
+
+def eval_samples(cfg: DenoiseAppConfig, split: str) -> list[NoisyImage]:
+    """Every image of ``split`` ("test", or "val": the validation images) at every ``eval.sigmas``, image-major.
+
+    Each (image i, sigma) gets its own noise, seeded by (eval.seed, split, sigma, i): the same on every call.
+    """
+    if split == "test":
+        images, names = load_test_images(cfg)
+    else:
+        images = load_training_images(cfg)[1]
+        names = [f"val_{i:03d}" for i in range(len(images))]
+    out = []
+    for i, (img, name) in enumerate(zip(images, names)):
+        clean = torch.from_numpy(img)[None, None]
+        for sigma in cfg.eval.sigmas:
+            g = torch.Generator().manual_seed(derive_seed(cfg.eval.seed, f"{split}-noise", float(sigma), i))
+            out.append(NoisyImage(add_noise(clean, float(sigma), g), clean, float(sigma), name))
+    return out
+
+
+# ----------------------------------------------------------------------------- training
+class DenoiseTask:
+    """Random noisy training patches and a fixed validation set, for :class:`StagedTrainer`.
+
+    Blind setting: the noise level is drawn per patch and never given to the model.
+
+    Args:
+        train_images: float32 (H, W) images in [0, 1] for training patches.
+        val_images: other images (a split of the training folder, never the test set).
+        patch_size, stride, scales: the multi-scale patch grid (:class:`PatchBank`).
+        sigma_max: training sigma ~ U[0, sigma_max] (paper), unless ``sigma_set`` is given (release: 35, 45, 55).
+        val_sigmas: noise levels cycled over the validation patches.
+        val_patches: number of fixed validation patches (cut from the validation images).
+        seed: seeds the validation patches and their noise.
+    """
+
+    def __init__(self, train_images: Sequence[np.ndarray], val_images: Sequence[np.ndarray], *, patch_size: int = 50,
+                 stride: int = 10, scales: Sequence[float] = (1.0, 0.9, 0.8, 0.7), sigma_max: float = 55.0,
+                 sigma_set: Sequence[float] = (), val_sigmas: Sequence[float] = (15, 25, 35, 45, 55),
+                 val_patches: int = 128, val_batch: int = 64, seed: int = 0):
+        if sigma_max < 0 or any(s < 0 for s in sigma_set):
+            raise ValueError(f"noise levels must be >= 0; got sigma_max={sigma_max}, sigma_set={tuple(sigma_set)}")
+        self.bank = PatchBank(list(train_images), patch_size=patch_size, stride=stride, scales=tuple(scales))
+        self.sigma_max, self.sigma_set = float(sigma_max), tuple(float(s) for s in sigma_set)
+        val_bank = PatchBank(list(val_images), patch_size=patch_size, stride=stride, scales=(1.0,))
+        g = torch.Generator().manual_seed(seed)
+        clean = val_bank.sample(val_patches, g, augment_patches=False)  # (N, 1, P, P)
+        sig = torch.tensor([float(val_sigmas[i % len(val_sigmas)]) for i in range(val_patches)])
+        noisy = add_noise(clean, sig, g)
+        self._val = [(noisy[i:i + val_batch], clean[i:i + val_batch]) for i in range(0, val_patches, val_batch)]
+
+    def loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
+        return sse_loss(output, target)
+
+    def sample_batch(self, batch_size: int, generator: torch.Generator, device) -> tuple[Tensor, Tensor]:
+        """(noisy, clean) patches (B, 1, P, P); patch, symmetry, sigma and noise all from ``generator``."""
+        clean = self.bank.sample(batch_size, generator)
+        sigma = sample_sigmas(batch_size, generator, self.sigma_max, self.sigma_set)
+        noisy = add_noise(clean, sigma, generator)
+        return noisy.to(device), clean.to(device)
+
+    def validation_batches(self, device):
+        return [(n.to(device), c.to(device)) for n, c in self._val]

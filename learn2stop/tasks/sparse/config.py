@@ -7,8 +7,44 @@ from typing import Any, ClassVar
 from ...core import InferenceConfig, MethodConfig, StageConfig
 from ...runtime.registry import get_rule
 from ...core.objectives import stage_field
-from ...utils.config import merge, non_empty, one_of, positive, positive_int, preset_config, require
-from .problem import ProblemConfig
+from ...utils.config import ints_at_least, merge, non_empty, one_of, positive, positive_int, preset_config, require
+
+
+@dataclass
+class ProblemConfig:
+    """Sizes and noise of the problem; defaults are the paper's (m=250, n=500, p=0.1, SNR 20/30/40)."""
+
+    m: int = 250
+    """Measurements: rows of the matrix A."""
+    n: int = 500
+    """Signal length: columns of A."""
+    sparsity: float = 0.1
+    """Share of non-zero entries of each signal (Bernoulli-Gaussian), in (0, 1]."""
+    snrs: tuple[float, ...] = (20.0, 30.0, 40.0)
+    """Noise levels in dB of the training mix and of the test sets, one test set each."""
+    matrix: str = "gaussian"
+    """gaussian (i.i.d., unit-norm columns) or cond5 (its singular values re-spread to condition_number)."""
+    condition_number: float = 5.0
+    """With matrix cond5: the condition number of A, >= 1."""
+    matrix_seed: int = 0
+    """Seed of A."""
+    test_per_snr: int = 1000
+    """Test problems per noise level."""
+    test_seed: int = 1
+    """Seed of the test sets."""
+    val_per_snr: int = 500
+    """Validation problems per noise level (selection and calibration)."""
+    val_seed: int = 2
+    """Seed of the validation sets."""
+
+    def __post_init__(self):
+        ints_at_least(self, "m", "n", "test_per_snr", "val_per_snr")
+        require(0 < self.sparsity <= 1, "sparsity", f"must be in (0, 1]; got {self.sparsity}")
+        require(len(self.snrs) >= 1, "snrs", "needs at least one SNR level")
+        one_of(self.matrix, ("gaussian", "cond5"), "matrix")
+        positive(self.condition_number, "condition_number")
+        require(self.condition_number >= 1, "condition_number", f"must be >= 1; got {self.condition_number}")
+
 
 @dataclass
 class LISTAConfig:
@@ -81,7 +117,6 @@ class ClassicalConfig:
         require(all(v > 0 for v in self.L_grid), "L_grid", "values must be > 0")
         require(all(v >= 0 for v in self.rho_grid), "rho_grid", "values must be >= 0")
         require(self.tune_samples >= 1, "tune_samples", "must be >= 1")
-
 
 
 @dataclass

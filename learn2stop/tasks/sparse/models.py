@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .problem import check_measurements
+from .data import check_measurements
 
 
 def soft_threshold(v: Tensor, theta: Tensor | float) -> Tensor:

@@ -5,7 +5,8 @@ stop-time distribution q_phi(t | y, x_s) over the remaining steps from a few sta
 noise level and how far the iteration is from converging (the norms of the state and the support). One
 call per sample instead of one per step, and the loop then runs the batch sorted by planned depth. With
 ``replan_step`` it plans once more, at that later step, for the samples still running: from the size of the
-last move (the tolerance test's signal) and a few norms, all without a product with A.
+last move (the tolerance test's signal) and a few norms, all without a product with A. Its numpy copy for small
+batches at inference is in :mod:`.numpy_plan`.
 
 :class:`SparseStopPolicy` asks at every step, with two feature sets over one shared MLP:
 
@@ -23,14 +24,13 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from ...core.fastpath import NUMPY_ACTIVATIONS, NumpyCopies, numpy_eligible
+from ...core.fastpath import NumpyCopies, numpy_eligible
 from ...core.policies import MinStep
-from ...runtime.rules import priced_argmax
+from .numpy_plan import _NumpyHead, _state_norms_np
 
 
 def support_size(x: Tensor, absolute: Tensor | None = None) -> Tensor:
@@ -102,11 +102,6 @@ class SparseStopPolicy(MinStep, nn.Module):
         return self.rest(h).squeeze(1)
 
 
-#: the planner's activation, ReLU: at equal or better quality than ELU on the quick frontier, and on a 2-core CPU
-#: 6 µs against ELU's 89 µs for a (1000, 64) batch (a plan a quarter cheaper)
-_relu_np = NUMPY_ACTIVATIONS["relu"]
-
-
 def _mlp(width: int, hidden: tuple[int, ...], out: int) -> nn.Sequential:
     layers = []
     for h in hidden:
@@ -136,69 +131,6 @@ def _head(h: Tensor, norm: nn.BatchNorm1d, net: nn.Sequential, training: bool) -
     for layer in net:
         h = F.linear(h, layer.weight, layer.bias) if isinstance(layer, nn.Linear) else F.relu(h)
     return h
-
-
-# The price rule's plans of a small batch (:func:`~learn2stop.core.fastpath.numpy_eligible`) run in numpy. A plan in
-# torch is some 25 small operations, each paying its dispatch: at batch 1 on the quick problem about 0.11 ms, four
-# LISTA steps, where numpy takes about 0.04 ms (each alone, in a loop); inside a rollout both cost more (most likely
-# the steps between evict them from the caches), and the deployed rollout ran 0.74-0.80x LISTA-16's speed against
-# 0.63-0.68x with torch plans (``benchmarks/sparse_planner_cost.py``, docs/sparse.md).
-
-
-def _state_norms_np(y: np.ndarray, x: np.ndarray, previous: np.ndarray | None = None) -> np.ndarray:
-    """:func:`_state_norms` in numpy: the same statistics in the same order, (B, 4) or (B, 6) float32. A single row
-    takes scalar arithmetic: 5.6 µs on the quick problem against 16.5 for the array form."""
-    if x.shape[0] == 1:
-        xa, ya = x[0], y[0]
-        size = math.sqrt(float(xa @ xa))
-        cols = [float(np.abs(xa).sum()), size, math.sqrt(float(ya @ ya))]
-        if previous is not None:
-            d = xa - previous[0]
-            move = math.sqrt(float(d @ d))
-            cols += [move, move / (size + 1e-6)]
-        return np.array([[*(math.log(c + 1e-6) for c in cols), np.count_nonzero(xa) / xa.shape[0]]], dtype=np.float32)
-    size = np.sqrt(np.einsum("ij,ij->i", x, x))
-    cols = [np.abs(x).sum(axis=1), size, np.sqrt(np.einsum("ij,ij->i", y, y))]
-    if previous is not None:
-        d = x - previous
-        move = np.sqrt(np.einsum("ij,ij->i", d, d))
-        cols += [move, move / (size + np.float32(1e-6))]
-    logs = np.log(np.stack(cols, axis=1) + np.float32(1e-6))
-    support = np.count_nonzero(x, axis=1).astype(np.float32) / np.float32(x.shape[1])
-    return np.concatenate([logs, support[:, None]], axis=1)
-
-
-class _NumpyHead:
-    """A frozen numpy copy of a planner head (its standardisation folded into the first layer) that gives the
-    price rule's stop steps, argmax_{u >= t} logit(u) - price * u / T (the argmax of log q_phi, which differs
-    from the logits by a constant per row); the last layer's columns of steps t..T are kept per t."""
-
-    def __init__(self, norm: nn.BatchNorm1d, net: nn.Sequential):
-        lins = [layer for layer in net if isinstance(layer, nn.Linear)]
-        weights = [layer.weight.detach().double().t() for layer in lins]
-        biases = [layer.bias.detach().double() for layer in lins]
-        # (f - mean) / std @ W + b = f @ (W / std) + (b - mean / std @ W)
-        inv = (norm.running_var.detach().double() + norm.eps).rsqrt()
-        biases[0] = biases[0] - (norm.running_mean.detach().double() * inv) @ weights[0]
-        weights[0] = weights[0] * inv[:, None]
-        self.layers = [(w.float().numpy().copy(), b.float().numpy().copy()) for w, b in zip(weights, biases)]
-        self.act = _relu_np
-        self.T = self.layers[-1][1].shape[0]
-        self._last: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-
-    def stop_steps(self, f: np.ndarray, t: int, threshold: float) -> Tensor:
-        last = self._last.get(t)
-        if last is None:
-            w, b = self.layers[-1]
-            last = self._last[t] = (w[:, t - 1:].copy(), b[t - 1:].copy())
-        h = f
-        for w, b in self.layers[:-1]:
-            h = self.act(h @ w + b)
-        z = h @ last[0] + last[1]  # the logits of steps t..T
-        if not np.isfinite(z.sum()):
-            raise ValueError(f"the planning policy returned NaN or inf log q_phi at step {t}")
-        z -= z.max(axis=1, keepdims=True)  # <= 0, as log q: the largest price (never stop early) cannot overflow
-        return torch.from_numpy(priced_argmax(z, t, self.T, threshold))
 
 
 class SparseDepthPlanner(MinStep, nn.Module):

@@ -8,7 +8,8 @@ import torch
 
 from ...utils.report import markdown_table
 from .config import SparseConfig
-from .problem import SparseBatch, db_ratio
+from .data import SparseBatch
+from .metric import db_ratio
 
 PAPER_TABLE1 = {  # Table 1 of the paper: NMSE (dB) mixed / 20 / 30 / 40
     "FISTA (T=100)": (-18.96, -16.75, -20.46, -20.97),

@@ -9,7 +9,8 @@ from learn2stop.core.loop import StepView
 from learn2stop.core.rules import PriceSignal, make_signal
 from learn2stop.tasks.sparse import LISTA
 from learn2stop.core.fastpath import NUMPY_MAX_BATCH, torch_only
-from learn2stop.tasks.sparse.policy import SparseDepthPlanner, _state_norms, _state_norms_np
+from learn2stop.tasks.sparse.numpy_plan import _state_norms_np
+from learn2stop.tasks.sparse.policy import SparseDepthPlanner, _state_norms
 
 T, S1, S2 = 12, 3, 7
 

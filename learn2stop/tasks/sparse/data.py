@@ -1,4 +1,5 @@
-"""The sparse recovery problem of Sec. 5.1 / App. B.1: y = A x* + noise, x* sparse.
+"""The sparse recovery data of Sec. 5.1 / App. B.1: y = A x* + noise, x* sparse; fresh problems every training
+batch, fixed validation and test sets.
 
 A (m x n) has iid N(0, 1/m) entries and unit-norm columns (the paper's text); the official code
 additionally re-conditions it to condition number 5 (``matrix="cond5"``). Signals are
@@ -13,43 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...utils.config import ints_at_least, one_of, positive, require
-
-
-@dataclass
-class ProblemConfig:
-    """Sizes and noise of the problem; defaults are the paper's (m=250, n=500, p=0.1, SNR 20/30/40)."""
-
-    m: int = 250
-    """Measurements: rows of the matrix A."""
-    n: int = 500
-    """Signal length: columns of A."""
-    sparsity: float = 0.1
-    """Share of non-zero entries of each signal (Bernoulli-Gaussian), in (0, 1]."""
-    snrs: tuple[float, ...] = (20.0, 30.0, 40.0)
-    """Noise levels in dB of the training mix and of the test sets, one test set each."""
-    matrix: str = "gaussian"
-    """gaussian (i.i.d., unit-norm columns) or cond5 (its singular values re-spread to condition_number)."""
-    condition_number: float = 5.0
-    """With matrix cond5: the condition number of A, >= 1."""
-    matrix_seed: int = 0
-    """Seed of A."""
-    test_per_snr: int = 1000
-    """Test problems per noise level."""
-    test_seed: int = 1
-    """Seed of the test sets."""
-    val_per_snr: int = 500
-    """Validation problems per noise level (selection and calibration)."""
-    val_seed: int = 2
-    """Seed of the validation sets."""
-
-    def __post_init__(self):
-        ints_at_least(self, "m", "n", "test_per_snr", "val_per_snr")
-        require(0 < self.sparsity <= 1, "sparsity", f"must be in (0, 1]; got {self.sparsity}")
-        require(len(self.snrs) >= 1, "snrs", "needs at least one SNR level")
-        one_of(self.matrix, ("gaussian", "cond5"), "matrix")
-        positive(self.condition_number, "condition_number")
-        require(self.condition_number >= 1, "condition_number", f"must be >= 1; got {self.condition_number}")
+from .config import ProblemConfig
 
 
 def make_matrix(cfg: ProblemConfig) -> Tensor:
@@ -108,37 +73,46 @@ def fixed_set(A: Tensor, cfg: ProblemConfig, per_snr: int, seed: int) -> SparseB
     return SparseBatch(torch.cat([p.y for p in parts]), torch.cat([p.x for p in parts]), torch.cat([p.snr for p in parts]))
 
 
-def db_ratio(errors: Tensor, energy: Tensor) -> Tensor:
-    """10 log10(errors / energy): the one NMSE formula (App. B.1, a ratio of sums), elementwise."""
-    return 10 * torch.log10(errors / energy)
-
-
-def nmse_db(estimate: Tensor, truth: Tensor) -> float:
-    """NMSE in dB = 10 log10( sum_i ||x_hat_i - x_i||^2 / sum_i ||x_i||^2 ) (App. B.1, ratio of sums)."""
-    if estimate.shape != truth.shape:
-        raise ValueError(f"estimate shape {tuple(estimate.shape)} does not match truth shape {tuple(truth.shape)}")
-    return float(db_ratio((estimate - truth).pow(2).sum(), truth.pow(2).sum()))
-
-
-def nmse_from_errors(errors: Tensor, batch: SparseBatch) -> dict[str, float]:
-    """NMSE (dB) over the whole set ('mixed') and per SNR level, from per-sample squared errors (N,)."""
-    out = {"mixed": float(db_ratio(errors.sum(), batch.x.pow(2).sum()))}
-    for s in batch.snr.unique().tolist():
-        m = batch.snr == s
-        out[f"{s:g}"] = float(db_ratio(errors[m].sum(), batch.x[m].pow(2).sum()))
-    return out
-
-
-def nmse_by_snr(estimate: Tensor, batch: SparseBatch) -> dict[str, float]:
-    """NMSE (dB) over the whole set ('mixed') and per SNR level."""
-    if estimate.shape != batch.x.shape:
-        raise ValueError(f"estimate shape {tuple(estimate.shape)} does not match truth shape {tuple(batch.x.shape)}")
-    return nmse_from_errors((estimate - batch.x).pow(2).flatten(1).sum(1), batch)
-
-
 def check_measurements(y: Tensor, A: Tensor) -> None:
     """Clear errors for measurements that do not fit A (NaN/inf are refused by the loop, for every model)."""
     if y.dim() != 2:
         raise ValueError(f"measurements y must have shape (B, m); got shape {tuple(y.shape)}")
     if y.shape[1] != A.shape[0]:
         raise ValueError(f"measurements have {y.shape[1]} entries but A has {A.shape[0]} rows (A is {A.shape[0]}x{A.shape[1]})")
+
+
+class SparseRecoveryTask:
+    """Supplies batches and the per-sample loss ||x_t - x*||^2 to :class:`~learn2stop.StagedTrainer`.
+
+    Args:
+        cfg: the problem's sizes and noise.
+        val_chunk: validation batch size (bounded memory).
+    """
+
+    def __init__(self, cfg: ProblemConfig, val_chunk: int = 1500):
+        self.cfg = cfg
+        self.A = make_matrix(cfg)
+        self.val = fixed_set(self.A, cfg, cfg.val_per_snr, cfg.val_seed)
+        self.val_chunk = val_chunk
+        self._test: SparseBatch | None = None
+
+    @property
+    def test(self) -> SparseBatch:
+        """The fixed test set: ``test_per_snr`` samples per SNR level, seeded (App. B.1)."""
+        if self._test is None:
+            self._test = fixed_set(self.A, self.cfg, self.cfg.test_per_snr, self.cfg.test_seed)
+        return self._test
+
+    @staticmethod
+    def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+        """Squared error per sample, ||x_t - x*||^2; shape (B,)."""
+        return (output - target).pow(2).sum(dim=1)
+
+    def sample_batch(self, batch_size: int, generator: torch.Generator, device) -> tuple[Tensor, Tensor]:
+        b = sample_problems(self.A, self.cfg, batch_size, generator)
+        return b.y.to(device), b.x.to(device)
+
+    def validation_batches(self, device):
+        for i in range(0, len(self.val), self.val_chunk):
+            chunk = self.val.select(slice(i, i + self.val_chunk))
+            yield chunk.y.to(device), chunk.x.to(device)

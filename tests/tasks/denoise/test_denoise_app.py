@@ -16,7 +16,8 @@ from learn2stop.core.train import load_stage
 from learn2stop.tasks.base import RunContext
 from learn2stop.tasks.denoise import add_noise, psnr
 from learn2stop.tasks.denoise.app import APP, denoise_files, evaluate, train
-from learn2stop.tasks.denoise.task import PRESETS, DenoiseAppConfig, load_test_images, load_training_images
+from learn2stop.tasks.denoise.config import PRESETS, DenoiseAppConfig
+from learn2stop.tasks.denoise.data import load_test_images, load_training_images
 from learn2stop.utils.checkpoint import CheckpointError
 from learn2stop.utils.config import merge, resolve
 
@@ -191,18 +192,6 @@ def test_presets_resolve():
     assert paper.method.beta == 0.1 and paper.stage1.lr == 1e-4 and paper.data.patch_size == 50
     quick = resolve(DenoiseAppConfig, PRESETS["quick"])
     assert quick.method.price > 0 and quick.stage1.inherit(quick.method).price == quick.method.price
-
-
-def test_bm3d_baseline_when_installed():
-    pytest.importorskip("bm3d")
-    from learn2stop.tasks.denoise.bm3d_baseline import bm3d_denoise
-    from learn2stop.tasks.denoise.data import synthetic_images
-
-    clean = synthetic_images(1, 32, seed=3)[0]
-    noisy = clean + np.random.default_rng(0).normal(0, 25 / 255, clean.shape).astype(np.float32)
-    out = bm3d_denoise(noisy, 25.0)
-    t = lambda a: torch.from_numpy(np.asarray(a, np.float32))[None, None]
-    assert float(psnr(t(out), t(clean))) > float(psnr(t(noisy), t(clean))) + 1.0
 
 
 def test_validation_split_is_disjoint_from_training_and_test(tmp_path):

@@ -1,5 +1,5 @@
-"""Image quality (PSNR with data range 1 on outputs clamped to [0, 1]) and the evaluation's report:
-per-sigma summaries, BM3D scores, wall-clock per image, Table 6 and the crops figure."""
+"""The evaluation's report: per-sigma summaries, BM3D scores, wall-clock per image, Table 6 and the crops figure
+(PSNR itself is in :mod:`.metric`)."""
 from __future__ import annotations
 
 import time
@@ -12,7 +12,8 @@ from torch import Tensor
 
 from ...core import run_with_early_exit
 from ...utils.report import markdown_table, new_figure, save_figure
-from .bm3d_baseline import bm3d_available, bm3d_denoise
+from .metric import psnr
+from .models import bm3d_available, bm3d_denoise
 
 #: paper Table 6 (BSD68, PSNR dB) at sigma 35, 45, 55, 65, 75.
 PAPER_TABLE6 = {
@@ -21,22 +22,6 @@ PAPER_TABLE6 = {
     "DnCNN": (27.60, 26.56, 25.71, 22.19, 17.90),
     "BM3D": (26.81, 25.97, 25.21, 24.60, 24.08),
 }
-
-
-def psnr(estimate: Tensor, clean: Tensor, data_range: float = 1.0, clamp: bool = True) -> Tensor:
-    """Per-image PSNR in dB: 10 log10(range^2 / MSE) over all but the batch dim.
-
-    Args:
-        estimate, clean: (B, ...) images; ``estimate`` is clamped to [0, data_range] first by default.
-    Returns:
-        (B,) PSNR; +inf where the estimate is exact.
-    """
-    if estimate.shape != clean.shape:
-        raise ValueError(f"estimate and clean images differ in shape: {tuple(estimate.shape)} vs {tuple(clean.shape)}")
-    if clamp:
-        estimate = estimate.clamp(0.0, data_range)
-    mse = ((estimate.double() - clean.double()) ** 2).flatten(1).mean(dim=1)
-    return (10 * torch.log10(data_range ** 2 / mse)).float()
 
 
 def summarise(per_image: list[dict], sigmas: Sequence[float]) -> list[dict]:

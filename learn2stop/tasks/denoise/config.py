@@ -1,4 +1,5 @@
-"""The denoising task: its config and presets, the images, the evaluation samples and the training task.
+"""The denoising config: the images, the network and its policy, the stages, evaluation and the ``denoise`` command,
+and the presets.
 
 Blind Gaussian denoising: the noise level is drawn per training patch and never given to the model.
 Defaults are the paper's settings (Sec. 5.3, App. B.3); presets are partial configs over them.
@@ -6,19 +7,13 @@ Defaults are the paper's settings (Sec. 5.3, App. B.3); presets are partial conf
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
-import numpy as np
-import torch
-from torch import Tensor
-
-from ...core import InferenceConfig, MethodConfig, StageConfig, derive_seed
+from ...core import InferenceConfig, MethodConfig, StageConfig
 from ...core.objectives import stage_field
 from ...utils.config import int_at_least, ints_at_least, non_negative, one_of, positive, preset_config, require
-from .data import ImageDataError, PatchBank, add_noise, load_folder, sample_sigmas, synthetic_images
 
 
-# ----------------------------------------------------------------------------- config
 @dataclass
 class DataConfig:
     """Where the images come from. Empty ``train_dir``/``test_dir``: the embedded dead-leaves images."""
@@ -222,110 +217,3 @@ PRESETS: dict[str, dict] = {
 def preset(name: str = "quick", **overrides: Any) -> DenoiseAppConfig:
     """The config of a named preset, with optional nested overrides (dicts)."""
     return preset_config(DenoiseAppConfig, PRESETS, name, "denoise", **overrides)
-
-
-# ----------------------------------------------------------------------------- images
-def load_training_images(cfg: DenoiseAppConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """(train images, validation images): a seeded, disjoint split of the training folder (or dead leaves)."""
-    d = cfg.data
-    if d.train_dir:
-        images, _ = load_folder(d.train_dir, min_size=d.patch_size)
-        images = images[:d.max_train_images] if d.max_train_images else images
-    else:
-        images = synthetic_images(d.synthetic_train, d.synthetic_size, seed=derive_seed(cfg.seed, "dead-leaves-train") % 2**32)
-    if len(images) < 2:
-        raise ImageDataError(f"need >= 2 training images (training and validation split); found {len(images)}")
-    perm = np.random.default_rng(cfg.seed).permutation(len(images))
-    n_val = min(max(1, int(round(d.val_fraction * len(images)))), len(images) - 1)
-    return [images[i] for i in perm[n_val:]], [images[i] for i in perm[:n_val]]
-
-
-def load_test_images(cfg: DenoiseAppConfig) -> tuple[list[np.ndarray], list[str]]:
-    """(test images, file names): the test folder, or dead-leaves images from another seed."""
-    d = cfg.data
-    if d.test_dir:
-        images, names = load_folder(d.test_dir)
-    else:
-        images = synthetic_images(d.synthetic_test, d.synthetic_size, seed=derive_seed(cfg.seed, "dead-leaves-test") % 2**32)
-        names = [f"dead_leaves_{i:03d}.png" for i in range(len(images))]
-    if d.max_test_images:
-        images, names = images[:d.max_test_images], names[:d.max_test_images]
-    return images, names
-
-
-@dataclass
-class NoisyImage:
-    """One evaluation sample: an image at one noise level, with its own seeded noise."""
-
-    noisy: torch.Tensor  # (1, 1, H, W)
-    clean: torch.Tensor  # (1, 1, H, W)
-    sigma: float
-    name: str
-
-def eval_samples(cfg: DenoiseAppConfig, split: str) -> list[NoisyImage]:
-    """Every image of ``split`` ("test", or "val": the validation images) at every ``eval.sigmas``, image-major.
-
-    Each (image i, sigma) gets its own noise, seeded by (eval.seed, split, sigma, i): the same on every call.
-    """
-    if split == "test":
-        images, names = load_test_images(cfg)
-    else:
-        images = load_training_images(cfg)[1]
-        names = [f"val_{i:03d}" for i in range(len(images))]
-    out = []
-    for i, (img, name) in enumerate(zip(images, names)):
-        clean = torch.from_numpy(img)[None, None]
-        for sigma in cfg.eval.sigmas:
-            g = torch.Generator().manual_seed(derive_seed(cfg.eval.seed, f"{split}-noise", float(sigma), i))
-            out.append(NoisyImage(add_noise(clean, float(sigma), g), clean, float(sigma), name))
-    return out
-
-
-# ----------------------------------------------------------------------------- training
-def sse_loss(output: Tensor, target: Tensor) -> Tensor:
-    """Per-image sum of squared errors (B,), the scale on which the paper sets beta = 0.1."""
-    return ((output - target) ** 2).flatten(1).sum(dim=1)
-
-
-class DenoiseTask:
-    """Random noisy training patches and a fixed validation set, for :class:`StagedTrainer`.
-
-    Blind setting: the noise level is drawn per patch and never given to the model.
-
-    Args:
-        train_images: float32 (H, W) images in [0, 1] for training patches.
-        val_images: other images (a split of the training folder, never the test set).
-        patch_size, stride, scales: the multi-scale patch grid (:class:`PatchBank`).
-        sigma_max: training sigma ~ U[0, sigma_max] (paper), unless ``sigma_set`` is given (release: 35, 45, 55).
-        val_sigmas: noise levels cycled over the validation patches.
-        val_patches: number of fixed validation patches (cut from the validation images).
-        seed: seeds the validation patches and their noise.
-    """
-
-    def __init__(self, train_images: Sequence[np.ndarray], val_images: Sequence[np.ndarray], *, patch_size: int = 50,
-                 stride: int = 10, scales: Sequence[float] = (1.0, 0.9, 0.8, 0.7), sigma_max: float = 55.0,
-                 sigma_set: Sequence[float] = (), val_sigmas: Sequence[float] = (15, 25, 35, 45, 55),
-                 val_patches: int = 128, val_batch: int = 64, seed: int = 0):
-        if sigma_max < 0 or any(s < 0 for s in sigma_set):
-            raise ValueError(f"noise levels must be >= 0; got sigma_max={sigma_max}, sigma_set={tuple(sigma_set)}")
-        self.bank = PatchBank(list(train_images), patch_size=patch_size, stride=stride, scales=tuple(scales))
-        self.sigma_max, self.sigma_set = float(sigma_max), tuple(float(s) for s in sigma_set)
-        val_bank = PatchBank(list(val_images), patch_size=patch_size, stride=stride, scales=(1.0,))
-        g = torch.Generator().manual_seed(seed)
-        clean = val_bank.sample(val_patches, g, augment_patches=False)  # (N, 1, P, P)
-        sig = torch.tensor([float(val_sigmas[i % len(val_sigmas)]) for i in range(val_patches)])
-        noisy = add_noise(clean, sig, g)
-        self._val = [(noisy[i:i + val_batch], clean[i:i + val_batch]) for i in range(0, val_patches, val_batch)]
-
-    def loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
-        return sse_loss(output, target)
-
-    def sample_batch(self, batch_size: int, generator: torch.Generator, device) -> tuple[Tensor, Tensor]:
-        """(noisy, clean) patches (B, 1, P, P); patch, symmetry, sigma and noise all from ``generator``."""
-        clean = self.bank.sample(batch_size, generator)
-        sigma = sample_sigmas(batch_size, generator, self.sigma_max, self.sigma_set)
-        noisy = add_noise(clean, sigma, generator)
-        return noisy.to(device), clean.to(device)
-
-    def validation_batches(self, device):
-        return [(n.to(device), c.to(device)) for n, c in self._val]

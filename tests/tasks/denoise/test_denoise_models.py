@@ -1,10 +1,11 @@
 """DnCNN-stop networks: shapes, cheap exits, declared exit costs, and early exit that really skips layers."""
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from learn2stop.core import FixedDepth, StopAtTimes, StoppingModel, exit_costs, run_with_early_exit, unroll
-from learn2stop.tasks.denoise import DeepSupervisedDnCNN, DenoisePolicy, image_statistics
+from learn2stop.tasks.denoise import DeepSupervisedDnCNN, DenoisePolicy, psnr
 
 
 def small_net(positions=(1, 3), depth=6, channels=8, **kw):
@@ -170,28 +171,6 @@ def test_fixed_depth_counts_blocks():
     assert net.block_rows == 4 * 2
 
 
-def test_policy_any_size_and_its_statistics():
-    p = DenoisePolicy(num_steps=5, hidden=4).eval()
-    for h, w in [(7, 9), (40, 33)]:
-        x = torch.rand(3, 1, h, w)
-        assert p(x, x * 0.9, 2).shape == (3,)
-    # log mean r^2 of the residual tracks the noise level (blind)
-    g = torch.Generator().manual_seed(0)
-    clean = torch.rand(2, 1, 64, 64, generator=g)
-    noise = torch.randn(clean.shape, generator=g)
-    stats = image_statistics(clean + noise * torch.tensor([0.1, 0.3])[:, None, None, None], clean)
-    torch.testing.assert_close(stats[:, 3].exp().sqrt(), torch.tensor([0.1, 0.3]), rtol=0.05, atol=0)
-    assert torch.isfinite(image_statistics(clean, clean)).all()  # a perfect output: no log(0)
-
-
-def test_policy_min_step_survives_the_state_dict():
-    p = DenoisePolicy(num_steps=5, hidden=4)
-    p.min_step = 3
-    q = DenoisePolicy(num_steps=5, hidden=4)
-    q.load_state_dict(p.state_dict())
-    assert q.min_step == 3
-
-
 def test_frozen_backbone_trains_only_the_heads():
     net = small_net(frozen_backbone=True)
     before = {k: v.clone() for k, v in net.state_dict().items()}
@@ -216,3 +195,15 @@ def test_load_backbone_copies_blocks_not_heads():
     assert all(torch.equal(h.weight, w) for h, w in zip(dst.heads, heads))
     with pytest.raises(ValueError, match="backbone"):
         dst.load_backbone(DeepSupervisedDnCNN(depth=6, channels=4, output_positions=()))
+
+
+def test_bm3d_baseline_when_installed():
+    pytest.importorskip("bm3d")
+    from learn2stop.tasks.denoise.images import synthetic_images
+    from learn2stop.tasks.denoise.models import bm3d_denoise
+
+    clean = synthetic_images(1, 32, seed=3)[0]
+    noisy = clean + np.random.default_rng(0).normal(0, 25 / 255, clean.shape).astype(np.float32)
+    out = bm3d_denoise(noisy, 25.0)
+    t = lambda a: torch.from_numpy(np.asarray(a, np.float32))[None, None]
+    assert float(psnr(t(out), t(clean))) > float(psnr(t(noisy), t(clean))) + 1.0
