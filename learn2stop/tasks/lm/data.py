@@ -39,7 +39,7 @@ class CharVocab:
             raise ValueError("vocabulary chars must be distinct and sorted")
 
     @classmethod
-    def of(cls, text: str) -> "CharVocab":
+    def of(cls, text: str) -> CharVocab:
         """The vocabulary of ``text`` (refused when empty)."""
         if not isinstance(text, str) or not text:
             raise ValueError("text: the corpus is empty; a vocabulary needs at least one character")

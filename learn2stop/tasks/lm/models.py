@@ -109,7 +109,7 @@ class GPT(nn.Module):
             if cfg.propagation == "learned" else None
         self.apply(self._init)
         for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
-            if name.endswith("c_proj.weight") or name.endswith("mlp.2.weight"):
+            if name.endswith(("c_proj.weight", "mlp.2.weight")):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod

@@ -10,7 +10,7 @@ from learn2stop.tasks.lm import GPT, GPTConfig
 
 def tiny_gpt(seed: int = 0, scale: float = 0.4, **overrides) -> GPT:
     """A tiny GPT in float64 with N(0, scale^2) weights (exits that disagree, decisions that vary), in eval mode."""
-    cfg = dict(vocab_size=13, context=24, n_layer=4, n_head=2, n_embd=16)
+    cfg = {"vocab_size": 13, "context": 24, "n_layer": 4, "n_head": 2, "n_embd": 16}
     cfg.update(overrides)
     gpt = GPT(GPTConfig(**cfg)).double().eval()
     g = torch.Generator().manual_seed(seed)

@@ -5,7 +5,13 @@ import pytest
 import torch
 from conftest import shared_data
 
-from learn2stop.tasks.lm import CharVocab, load_corpus, read_text, sample_windows, split_by_position
+from learn2stop.tasks.lm import (
+    CharVocab,
+    load_corpus,
+    read_text,
+    sample_windows,
+    split_by_position,
+)
 
 TEXT = "To be, or not to be: that is the question.\n"
 

@@ -145,8 +145,8 @@ def test_a_prompt_that_fills_the_context_still_gets_one_token():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(draft_layer=4), "draft_layer"), (dict(draft_layer=0), "draft_layer"),
-    (dict(draft_layer=2, num_draft=0), "num_draft")])
+    ({"draft_layer": 4}, "draft_layer"), ({"draft_layer": 0}, "draft_layer"),
+    ({"draft_layer": 2, "num_draft": 0}, "num_draft")])
 def test_bad_speculative_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         self_speculative_decode(tiny_gpt(0), torch.zeros(1, 3, dtype=torch.long), 4, **kwargs)

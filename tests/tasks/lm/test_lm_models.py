@@ -86,9 +86,9 @@ def test_the_lm_head_is_tied_to_the_token_embedding():
 
 
 @pytest.mark.parametrize("fields,field", [
-    (dict(n_embd=18, n_head=4), "n_embd"), (dict(n_layer=2, exit_every=3), "exit_every"),
-    (dict(propagation="mlp"), "propagation"), (dict(context=0), "context"), (dict(vocab_size=0), "vocab_size"),
-    (dict(dropout=1.0), "dropout")])
+    ({"n_embd": 18, "n_head": 4}, "n_embd"), ({"n_layer": 2, "exit_every": 3}, "exit_every"),
+    ({"propagation": "mlp"}, "propagation"), ({"context": 0}, "context"), ({"vocab_size": 0}, "vocab_size"),
+    ({"dropout": 1.0}, "dropout")])
 def test_bad_config_names_the_field(fields, field):
     with pytest.raises(ConfigError, match=field):
         GPTConfig(**fields)
