@@ -98,3 +98,18 @@ def test_a_sequence_longer_than_the_context_is_refused():
     gpt = tiny_gpt(0, context=8)
     with pytest.raises(ValueError, match="context"):
         StepwiseGPT(gpt).initial_state(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_the_cores_loop_stops_whole_sequences_at_their_exits():
+    """Driven by the core's early-exit loop, a sequence stopped at step t gets every position's logits of exit t."""
+    from learn2stop.core.loop import run_with_early_exit
+
+    gpt = tiny_gpt(8, exit_every=1)
+    view = StepwiseGPT(gpt)
+    idx = torch.randint(13, (4, 7), generator=torch.Generator().manual_seed(9))
+    wanted = torch.tensor([1, 3, 4, 2])  # the step each sequence stops at
+    rollout = run_with_early_exit(view, idx, lambda v: wanted[v.index] == v.t)
+    assert torch.equal(rollout.stop_times.cpu(), wanted)
+    full = unroll(view, idx, model_grad=False, keep_outputs=True).step_outputs
+    for b, t in enumerate(wanted.tolist()):
+        torch.testing.assert_close(rollout.outputs[b], full[t - 1][b], rtol=0, atol=1e-12)
