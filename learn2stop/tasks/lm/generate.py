@@ -1,0 +1,140 @@
+"""Generation with a KV cache where each new token may exit early, and LayerSkip's self-speculative decoding.
+
+At each new token every row starts at layer 1; after each exit layer the rows the exit rule stops leave the batch for
+the remaining layers, and their cache entries of those layers are completed by state propagation
+(:meth:`GPT.propagated_kv`); the next token starts again with every row. Decoding is greedy (argmax at the exit).
+Shapes as in :mod:`.models`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .models import GPT, StepwiseGPT
+
+
+class KVCache:
+    """Per layer keys and values of the first ``length`` positions: ``k[l]``, ``v[l]`` (B, H, context, d)."""
+
+    def __init__(self, gpt: GPT, batch: int, like: Tensor):
+        cfg = gpt.cfg
+        shape = (batch, cfg.n_head, cfg.context, cfg.n_embd // cfg.n_head)
+        self.k = [like.new_zeros(shape) for _ in range(cfg.n_layer)]
+        self.v = [like.new_zeros(shape) for _ in range(cfg.n_layer)]
+        self.length = 0
+
+    def past(self, layer: int, rows: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The cached (B_rows, H, length, d) keys and values of 0-based ``layer`` (rows None: all)."""
+        k, v = self.k[layer][:, :, :self.length], self.v[layer][:, :, :self.length]
+        return (k, v) if rows is None else (k[rows], v[rows])
+
+    def write(self, layer: int, rows: Tensor | None, k: Tensor, v: Tensor, start: int) -> None:
+        """Store (B_rows, H, N, d) keys and values at positions start..start + N - 1 of 0-based ``layer``."""
+        end = start + k.shape[2]
+        if rows is None:
+            self.k[layer][:, :, start:end], self.v[layer][:, :, start:end] = k, v
+        else:
+            self.k[layer][rows, :, start:end], self.v[layer][rows, :, start:end] = k, v
+
+
+def check_prompt(gpt: GPT, prompt: Tensor, max_new_tokens: int) -> None:
+    """Refuse a prompt that the model cannot continue by ``max_new_tokens`` tokens, naming the problem."""
+    cfg = gpt.cfg
+    if not isinstance(prompt, Tensor) or prompt.dim() != 2 or prompt.dtype != torch.long:
+        raise ValueError(f"prompt must be a (batch, length) tensor of token ids (torch.long); got "
+                         f"{type(prompt).__name__} {getattr(prompt, 'shape', '')} {getattr(prompt, 'dtype', '')}")
+    B, T0 = prompt.shape
+    if B == 0:
+        raise ValueError("prompt: batch must be at least 1; got an empty batch (0 rows)")
+    if T0 == 0:
+        raise ValueError("prompt must hold at least one token; got length 0")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+    if T0 > cfg.context:
+        raise ValueError(f"prompt length ({T0}) exceeds the model's context ({cfg.context})")
+    if T0 + max_new_tokens - 1 > cfg.context:
+        raise ValueError(f"prompt length ({T0}) + max_new_tokens ({max_new_tokens}) - 1 exceeds the model's context "
+                         f"({cfg.context}): the last new token would be predicted from beyond it")
+    low, high = int(prompt.min()), int(prompt.max())
+    if low < 0 or high >= cfg.vocab_size:
+        raise ValueError(f"prompt holds token id {high if high >= cfg.vocab_size else low}, outside the model's "
+                         f"vocabulary of {cfg.vocab_size} (a prompt encoded with another run's vocabulary?)")
+
+
+@dataclass
+class Generation:
+    """What :func:`generate` returns: tokens (B, T0 + n), the (B, n) 1-based exit step of each new token, and the
+    cache (positions 0..T0 + n - 2: the last new token is not fed back)."""
+
+    tokens: Tensor
+    exit_steps: Tensor
+    cache: KVCache
+
+
+def prefill(gpt: GPT, cache: KVCache, idx: Tensor) -> Tensor:
+    """Run idx (B, N) at full depth after the cached positions, caching every layer: the last hidden state (B, C)."""
+    h = gpt.embed(idx, cache.length)
+    for layer, block in enumerate(gpt.blocks):
+        h, k, v = block.cached(h, *cache.past(layer, None))
+        cache.write(layer, None, k, v, cache.length)
+    cache.length += idx.shape[1]
+    return h[:, -1]
+
+
+@torch.no_grad()
+def generate(view: StepwiseGPT, prompt: Tensor, max_new_tokens: int, exit_rule=None) -> Generation:
+    """Greedy continuation of prompt (B, T0) by ``max_new_tokens`` tokens, each exiting where ``exit_rule`` says.
+
+    ``exit_rule(t, logits) -> (B_active,) bool`` is asked after exit step t = 1..T-1 with the (B_active, V) logits of
+    the rows still running (None: no early exit). The prompt but its last token is prefilled at full depth; every new
+    token is predicted at an exit.
+    """
+    gpt = view.gpt
+    check_prompt(gpt, prompt, max_new_tokens)
+    B = prompt.shape[0]
+    cache = KVCache(gpt, B, gpt.wte.weight)
+    if prompt.shape[1] > 1:
+        prefill(gpt, cache, prompt[:, :-1])
+    token, new, exits = prompt[:, -1], [], []
+    for _ in range(max_new_tokens):
+        logits, exit_step = decode_token(view, cache, token, exit_rule)
+        token = logits.argmax(-1)
+        new.append(token)
+        exits.append(exit_step)
+    return Generation(torch.cat([prompt, torch.stack(new, 1)], 1), torch.stack(exits, 1), cache)
+
+
+def decode_token(view: StepwiseGPT, cache: KVCache, token: Tensor, exit_rule=None) -> tuple[Tensor, Tensor]:
+    """Feed token (B,) at position ``cache.length`` with early exits: the (B, V) logits of each row at its exit and
+    its (B,) exit step; the rows that stop leave the batch and get their later layers' cache by propagation."""
+    gpt, pos, B = view.gpt, cache.length, token.shape[0]
+    h = gpt.embed(token[:, None], pos)  # (B, 1, C) the rows still running
+    rows = None  # None: every row (no gather); else the (B_active,) rows still running
+    logits = h.new_empty(B, gpt.cfg.vocab_size)
+    exit_steps = torch.full((B,), view.num_steps, dtype=torch.long, device=token.device)
+    for t in range(1, view.num_steps + 1):
+        for layer in view.layers_of(t):
+            h, k, v = gpt.blocks[layer - 1].cached(h, *cache.past(layer - 1, rows))
+            cache.write(layer - 1, rows, k, v, pos)
+        if t == view.num_steps:  # what still runs stops here
+            logits[slice(None) if rows is None else rows] = gpt.head(h[:, 0])
+            break
+        if exit_rule is None:
+            continue
+        out = gpt.head(h[:, 0])  # (B_active, V) the exit's logits
+        stops = exit_rule(t, out)  # (B_active,) bool
+        if not bool(stops.any()):
+            continue
+        here = torch.arange(B, device=token.device) if rows is None else rows
+        stopped = here[stops]
+        logits[stopped], exit_steps[stopped] = out[stops], t
+        for layer in range(view.exit_layers[t - 1] + 1, gpt.cfg.n_layer + 1):  # complete their later layers
+            k, v = gpt.propagated_kv(layer, h[stops])
+            cache.write(layer - 1, stopped, k, v, pos)
+        rows, h = here[~stops], h[~stops]
+        if rows.numel() == 0:
+            break
+    cache.length = pos + 1
+    return logits, exit_steps

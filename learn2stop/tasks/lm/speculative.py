@@ -1,0 +1,89 @@
+"""LayerSkip's self-speculative decoding: draft tokens with an early exit, verify them with the full model in one
+pass, keep the longest agreeing prefix and the full model's next token; the output is full-depth greedy decoding's.
+
+The draft and the verification share one KV cache. The draft runs layers 1..k (the exit at layer k, the shared head)
+one token at a time, caching those layers; the verification runs layers k+1..L on the drafted positions at once,
+from the draft's layer-k hidden states (LayerSkip's reuse: layers 1..k are not run twice). Positions past the
+accepted prefix are left in the cache to be overwritten. Shapes as in :mod:`.models`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .generate import KVCache, check_prompt, prefill
+from .models import GPT
+
+
+@dataclass
+class SpeculativeResult:
+    """The tokens (1, T0 + n), and how the draft fared: tokens drafted, drafts accepted, verification passes."""
+
+    tokens: Tensor
+    drafted: int
+    accepted: int
+    verify_passes: int
+
+    @property
+    def acceptance(self) -> float:
+        """The share of drafted tokens the full model agreed with (1.0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 1.0
+
+
+@torch.no_grad()
+def self_speculative_decode(gpt: GPT, prompt: Tensor, max_new_tokens: int, draft_layer: int,
+                            num_draft: int = 4) -> SpeculativeResult:
+    """Greedy continuation of prompt (1, T0) by ``max_new_tokens`` tokens, drafting up to ``num_draft`` at a time with
+    the exit after ``draft_layer`` (1..L-1) and verifying them with layers draft_layer+1..L in one pass."""
+    check_prompt(gpt, prompt, max_new_tokens)
+    L = gpt.cfg.n_layer
+    if prompt.shape[0] != 1:
+        raise ValueError(f"self-speculative decoding runs one sequence at a time (prompt batch 1); got batch "
+                         f"{prompt.shape[0]} (accepted prefixes differ from row to row)")
+    if isinstance(draft_layer, bool) or not isinstance(draft_layer, int) or not 1 <= draft_layer < L:
+        raise ValueError(f"draft_layer must be an integer in 1..{L - 1} (an exit before the last layer); "
+                         f"got {draft_layer!r}")
+    if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
+        raise ValueError(f"num_draft must be an integer >= 1; got {num_draft!r}")
+    cache = KVCache(gpt, 1, gpt.wte.weight)
+    if prompt.shape[1] > 1:
+        prefill(gpt, cache, prompt[:, :-1])
+    token, out = prompt[:, -1], []  # token (1,): the next one to feed, at position cache.length
+    drafted = accepted = passes = 0
+    while len(out) < max_new_tokens:
+        n = cache.length  # every layer holds positions 0..n-1
+        m = min(num_draft, max_new_tokens - len(out) - 1, gpt.cfg.context - 1 - n)  # drafts this round
+        hidden, drafts = _draft(gpt, cache, token, n, m, draft_layer)  # (1, m + 1, C), m tokens
+        for layer in range(draft_layer, L):  # verify: the later layers on every drafted position at once
+            past = cache.k[layer][:, :, :n], cache.v[layer][:, :, :n]
+            hidden, k, v = gpt.blocks[layer].cached(hidden, *past)
+            cache.write(layer, None, k, v, n)
+        full = gpt.head(hidden)[0].argmax(-1)  # (m + 1,) the full model's next token after each position
+        j = 0
+        while j < m and int(drafts[j]) == int(full[j]):
+            j += 1
+        out.extend([*drafts[:j].tolist(), int(full[j])])
+        drafted, accepted, passes = drafted + m, accepted + j, passes + 1
+        cache.length = n + j + 1  # token and the accepted drafts, at every layer
+        token = full[j:j + 1]
+    tokens = torch.cat([prompt, torch.tensor([out], dtype=torch.long, device=prompt.device)], 1)
+    return SpeculativeResult(tokens, drafted, accepted, passes)
+
+
+def _draft(gpt: GPT, cache: KVCache, token: Tensor, n: int, m: int, k: int) -> tuple[Tensor, Tensor]:
+    """Feed token (1,) at position n and m greedy drafts after it through layers 1..k (cached there): their layer-k
+    hidden states (1, m + 1, C) and the m drafts (m,), each the exit's argmax after the one before."""
+    hidden, drafts = [], []
+    for j in range(m + 1):
+        h = gpt.embed(token[:, None], n + j)  # (1, 1, C)
+        for layer in range(k):
+            past = cache.k[layer][:, :, :n + j], cache.v[layer][:, :, :n + j]
+            h, kk, vv = gpt.blocks[layer].cached(h, *past)
+            cache.write(layer, None, kk, vv, n + j)
+        hidden.append(h)
+        if j < m:
+            token = gpt.head(h[:, 0]).argmax(-1)  # (1,)
+            drafts.append(token)
+    return torch.cat(hidden, 1), torch.cat(drafts) if drafts else token.new_empty(0)
