@@ -51,10 +51,12 @@ def parse_backends(value: str | None) -> list[str]:
     return names
 
 
-def check_exportable(backends: list[str], export_unsupported: str) -> None:
-    """Refuse the onnxruntime backend for a task whose steps do not export, with the task's own reason (the one
-    ``export`` gives), before any work."""
-    if "onnxruntime" in backends and export_unsupported:
+def check_exportable(command: str, backends: list[str], export_unsupported: str) -> None:
+    """Refuse ``export`` and the onnxruntime backend for a task whose steps do not export, both with the task's own
+    reason, before any work (an export attempt would fail deep in the tracer, with the tracer's words)."""
+    if export_unsupported and command == "export":
+        raise BackendError(f"export: {export_unsupported}")
+    if export_unsupported and "onnxruntime" in backends:
         raise BackendError(f"--backend onnxruntime: {export_unsupported}")
 
 

@@ -215,7 +215,7 @@ def check_command_options(args: argparse.Namespace, spec, cfg, command: str) -> 
             check_rule(spec.app, cfg, options.rule, "--rule", spec.name)
         from .backends import check_exportable
 
-        check_exportable(options.backends, spec.app.export_unsupported)
+        check_exportable(command, options.backends, spec.app.export_unsupported)
     return options
 
 
