@@ -13,17 +13,17 @@ import torch
 pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from conftest import randomise
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from conftest import randomise  # noqa: E402
-from learn2stop.core.calibration import InferenceConfig  # noqa: E402
-from learn2stop.core.model import StoppingModel  # noqa: E402
-from learn2stop.export import ExportError, export_stop_model  # noqa: E402
-from learn2stop.runtime import ManifestError, load  # noqa: E402
-from learn2stop.runtime.manifest import MANIFEST, canonical_bytes, seal, sha256_file  # noqa: E402
-from learn2stop.tasks.sparse.models import LISTA  # noqa: E402
-from learn2stop.tasks.sparse.policy import SparseStopPolicy  # noqa: E402
+from learn2stop.core.calibration import InferenceConfig
+from learn2stop.core.model import StoppingModel
+from learn2stop.export import ExportError, export_stop_model
+from learn2stop.runtime import ManifestError, load
+from learn2stop.runtime.manifest import MANIFEST, canonical_bytes, seal, sha256_file
+from learn2stop.tasks.sparse.models import LISTA
+from learn2stop.tasks.sparse.policy import SparseStopPolicy
 
 
 @pytest.fixture(scope="module")

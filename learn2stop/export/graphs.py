@@ -26,8 +26,8 @@ from ..core.rules import SIGNALS, DepthSignal
 from ..core.trees import check_inputs
 from ..runtime.manifest import FORMAT, FORMAT_VERSION, sha256_file
 from ..runtime.registry import list_rules
-from ..utils.outputs import replace_folder, writing
 from ..utils.outputs import reason as _os_reason
+from ..utils.outputs import replace_folder, writing
 from .folder import ExportError, check_out_dir, export_mismatch, write_manifest
 
 

@@ -37,7 +37,7 @@ _FIELDS = {"format", "version", "task", "num_steps", "last_step", "rule", "polic
 _OPTIONAL = {"extra"}
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
 _HEX = re.compile(r"[0-9a-f]{64}")
-_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 
 class ManifestError(ValueError):
