@@ -195,7 +195,7 @@ def test_a_fixed_depth_past_the_steps_is_refused_at_export_and_evaluate(sparse, 
 def test_run_refuses_a_threshold_that_is_not_a_finite_number(exported):
     folder, y = exported
     rt = load(folder)
-    for bad in (math.nan, math.inf, "0.5", True):
+    for bad in (math.nan, math.inf, "0.5", True, 10 ** 400):
         with pytest.raises(ValueError, match="threshold must be a finite number"):
             rt.run(y, threshold=bad)
     assert rt.run(y, threshold=np.float32(3.0)).mean_depth >= rt.run(y).mean_depth

@@ -227,6 +227,7 @@ def _check_rule(c: _Fields, rule: Any, T: int, last: int) -> None:
         c.need(thr is None, "rule.threshold", "must be null for a fixed depth", thr)
         if never:
             c.need(param is None, "rule.param", "must be null for full depth (never stopping early)", param)
+            c.need(last == T, "last_step", f"must be num_steps ({T}) for full depth", last)
         else:
             c.int_in(param, "rule.param", 1, T)
             c.need(last == param, "last_step", f"must be the fixed depth, {param}", last)

@@ -7,6 +7,7 @@ batch 1 a stop simply ends the loop. Semantics as :func:`learn2stop.core.loop.ru
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,13 @@ def _check_providers(providers: Any, available: list[str]) -> list[str]:
         if p not in available:
             raise ValueError(f"providers: {p!r} is not available in this ONNX Runtime; available: {', '.join(available)}")
     return list(providers)
+
+
+def _finite(x: Any) -> bool:
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:  # an integer beyond float's range
+        return False
 
 
 def _declared(name: str, m: dict, state: dict) -> tuple[list, tuple[str, ...]]:
@@ -75,7 +83,9 @@ def _check_graph(sess: Any, step: dict, m: dict, path: Path, manifest: Path, sta
                                 f"(rank {len(shape)})")
         for i, (want, have) in enumerate(zip(shape, dims)):
             fixed = isinstance(have, int) and have > 0
-            if (want is not None and fixed and want != have) or (is_input and want is None and fixed):
+            # a graph must take any batch, and any size where the manifest lets an input's dim vary
+            free = is_input and want is None and (i == 0 or a.name.startswith("inputs"))
+            if fixed and ((want is not None and want != have) or free):
                 raise ManifestError(f"{what} has dim {i} = {have} in the graph, but {manifest} declares shape {shape}")
     return given
 
@@ -207,8 +217,8 @@ class StopRuntime:
                 raise ValueError(f"threshold: the export's rule ({spec['name']}"
                                  f"{', never stopping early' if spec.get('never_stops_early') else ''}) has no "
                                  "threshold to change; export the rule with a finite threshold")
-            if isinstance(threshold, (bool, np.bool_)) or not isinstance(threshold, (int, float, np.number)) \
-                    or not np.isfinite(threshold):
+            if isinstance(threshold, (bool, np.bool_)) or not isinstance(threshold, (int, float, np.integer, np.floating)) \
+                    or not _finite(threshold):
                 raise ValueError(f"threshold must be a finite number (score units); got {threshold!r}")
             spec = {**spec, "threshold": float(threshold)}
         rule = make_rule(spec)
