@@ -35,17 +35,29 @@ from .core.trees import batch_size, tree_cat, tree_leaves, tree_select
 
 BACKENDS = ("torch", "compile", "stream", "onnxruntime")
 Runner = Callable[[Any, Any, Any], Rollout]
-__all__ = ["BACKENDS", "BackendError", "CompiledRunner", "OnnxRunner", "StreamRunner", "make_runner", "parse_backends"]
+__all__ = ["BACKENDS", "BackendError", "CompiledRunner", "OnnxRunner", "StreamRunner", "check_exportable", "make_runner",
+           "parse_backends"]
 
 
 def parse_backends(value: str | None) -> list[str]:
-    """``--backend torch,onnxruntime`` as a list of known backends (default: torch), each once."""
-    names = [n.strip() for n in (value or "torch").split(",") if n.strip()]
+    """``--backend torch,onnxruntime`` as a list of known backends (None: torch), each once; an empty name
+    (``''``, ``'torch,,'``) is refused, not read as the default."""
+    names = [n.strip() for n in ("torch" if value is None else value).split(",")]
     bad = [n for n in names if n not in BACKENDS]
-    if bad or not names or len(set(names)) != len(names):
+    if bad or len(set(names)) != len(names):
+        what = "an empty name" if "" in bad else f"unknown {', '.join(repr(n) for n in bad)}" if bad else "a repeated name"
         raise BackendError(f"--backend: give one or more of {', '.join(BACKENDS)}, comma-separated, each once; "
-                           f"got {value!r}")
+                           f"got {value!r} ({what})")
     return names
+
+
+def check_exportable(command: str, backends: list[str], export_unsupported: str) -> None:
+    """Refuse ``export`` and the onnxruntime backend for a task whose steps do not export, both with the task's own
+    reason, before any work (an export attempt would fail deep in the tracer, with the tracer's words)."""
+    if export_unsupported and command == "export":
+        raise BackendError(f"export: {export_unsupported}")
+    if export_unsupported and "onnxruntime" in backends:
+        raise BackendError(f"--backend onnxruntime: {export_unsupported}")
 
 
 def make_runner(name: str, threads: int = 1) -> Runner:
@@ -125,7 +137,7 @@ def rule_export_key(rule: Any, num_steps: int) -> tuple[dict, float | None]:
         raise BackendError("backend onnxruntime: the runtime runs deterministic rules only, not a sampled policy")
     if isinstance(rule, SignalRule):
         thr = rule.threshold
-        spec = {"name": rule.signal.name, "param": 0.0, "threshold": thr if math.isfinite(thr) else math.inf}
+        spec = {"name": rule.signal.name, "param": None, "threshold": thr if math.isfinite(thr) else math.inf}
         return spec, (thr if math.isfinite(thr) else None)
     raise BackendError(f"backend onnxruntime: {type(rule).__name__} cannot run in the runtime (it runs a fixed depth "
                        "and the threshold rules: policy, quantile, price, confidence, entropy, tolerance)")

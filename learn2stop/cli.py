@@ -213,6 +213,9 @@ def check_command_options(args: argparse.Namespace, spec, cfg, command: str) -> 
             check_rule(spec.app, cfg, cfg.inference.rule, "inference.rule", spec.name)
         if options.rule is not None:
             check_rule(spec.app, cfg, options.rule, "--rule", spec.name)
+        from .backends import check_exportable
+
+        check_exportable(command, options.backends, spec.app.export_unsupported)
     return options
 
 

@@ -32,6 +32,26 @@ def test_parse_backends_names_the_choices():
     assert make_runner("torch") is run_with_early_exit and set(BACKENDS) == {"torch", "compile", "stream", "onnxruntime"}
 
 
+def test_parse_backends_refuses_empty_names_instead_of_reading_them_as_torch():
+    for bad in ("", "torch,,", ",torch", " "):
+        with pytest.raises(BackendError, match=r"--backend: .*\(an empty name\)"):
+            parse_backends(bad)
+    with pytest.raises(BackendError, match=r"\(unknown 'tensorrt'\)"):
+        parse_backends("torch,tensorrt")
+
+
+def test_maml_on_onnxruntime_gives_the_reason_export_gives(tmp_path, capsys):
+    from learn2stop.cli import main
+    from learn2stop.tasks.maml.app import APP
+
+    for command in ("evaluate", "frontier"):
+        assert main(["maml", command, "--run-dir", str(tmp_path / "run"), "--backend", "onnxruntime"]) == 2
+        err = capsys.readouterr().err
+        assert f"--backend onnxruntime: {APP.export_unsupported}" in err and "data pointer" not in err, err
+    assert main(["maml", "export", "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 2
+    assert f"export: {APP.export_unsupported}" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
 def test_stream_runner_gives_the_torch_loops_stop_times_and_outputs(lista, tiny_lista):
     from learn2stop.core.timing import measure_speed
 

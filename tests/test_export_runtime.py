@@ -300,12 +300,12 @@ def test_corrupt_manifest_and_changed_graphs_are_refused(exported, tmp_path):
     m = json.loads((folder / "manifest.json").read_text())
     m["rule"]["name"] = "sampled"
     (bad / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(ManifestError, match="'rule' must name one of"):
+    with pytest.raises(ManifestError, match="'rule.name' must name one of"):
         load(bad)
     m = json.loads((folder / "manifest.json").read_text())
     del m["steps"][1]["readout"]
     (bad / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(ManifestError, match="step 2: needs file"):
+    with pytest.raises(ManifestError, match=r"'steps\[1\].readout' is missing"):
         load(bad)
 
 

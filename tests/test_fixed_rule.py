@@ -53,7 +53,7 @@ def test_a_fixed_depth_calibrates_like_every_rule():
 
 
 def test_an_exported_fixed_calibration_ends_the_graphs_at_the_depth():
-    from learn2stop.export import _schedule, rule_spec
+    from learn2stop.export.graphs import _schedule, rule_spec
 
     spec = rule_spec(Calibration("fixed", 3.0, 3.0, {"kind": "budget", "budget": 0.6}))
     assert (spec["name"], spec["param"], spec["never_stops_early"]) == ("fixed", 3, False)

@@ -169,7 +169,7 @@ def test_stage2_fits_a_replanning_policy(tmp_path):
 
 def test_one_plan_rules_refuse_a_second_plan():
     from learn2stop.core.calibration import policy_rules
-    from learn2stop.export import ExportError, _schedule
+    from learn2stop.export.graphs import ExportError, _schedule
 
     T = 6
     model, planner = ToyStepModel(num_steps=T), Replanner(T, 2, 4)

@@ -310,6 +310,11 @@ def deployed_rule(app: StoppingApp, cfg: Any, run_dir, sm: StoppingModel, genera
     elif not inference.sampled:
         check_policy_rule(inference.rule, sm, "inference.rule")
     name = cal.rule if cal is not None else inference.rule
+    if name == "fixed":  # a depth past the model's steps would run them all and call it that depth
+        depth = DepthSignal.depth(cal.threshold) if cal is not None else inference.param
+        field = f"{Path(run_dir) / 'calibration.json'}: threshold" if cal is not None else "inference.param"
+        if depth is not None and not 1 <= depth <= sm.num_steps:
+            raise ConfigError(f"{field}: a fixed depth must be in 1..{sm.num_steps} (the model's steps); got {depth:g}")
     rule, desc = active_rule(app.inference(cfg), run_dir, sm.policy, key=signal_key(app, cfg, name), generator=generator)
     reason = served_baseline(app, cfg, run_dir)
     if reason is not None:

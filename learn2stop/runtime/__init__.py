@@ -1,7 +1,7 @@
 """Run an exported stop model with numpy and ONNX Runtime only: no torch, no training code.
 
     from learn2stop.runtime import load
-    rt = load("exported/")                  # checks the manifest and every graph's sha256
+    rt = load("exported/")                  # checks the manifest, its checksum and every file's sha256
     result = rt.run(y)                      # a batch: outputs, stop_times, steps_computed
     x, t = rt.run_one(y[0])                 # one input: its output and stop step
 

@@ -7,6 +7,7 @@ batch 1 a stop simply ends the loop. Semantics as :func:`learn2stop.core.loop.ru
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,78 @@ import numpy as np
 
 from .manifest import ManifestError, read_manifest
 from .rules import make_rule
+
+#: ONNX Runtime's element types, by numpy's names (what the manifest declares)
+_ORT_DTYPES = {"tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",
+               "tensor(int8)": "int8", "tensor(int16)": "int16", "tensor(int32)": "int32", "tensor(int64)": "int64",
+               "tensor(uint8)": "uint8", "tensor(bool)": "bool"}
+
+
+def _check_providers(providers: Any, available: list[str]) -> list[str]:
+    """The execution providers asked for (default: CPU), each one ONNX Runtime has here; else a ValueError naming it."""
+    if providers is None:
+        return ["CPUExecutionProvider"]
+    if isinstance(providers, str) or not isinstance(providers, (list, tuple)) or not providers \
+            or not all(isinstance(p, str) for p in providers):
+        raise ValueError(f"providers must be a non-empty list of provider names; got {providers!r}")
+    for p in providers:
+        if p not in available:
+            raise ValueError(f"providers: {p!r} is not available in this ONNX Runtime; available: {', '.join(available)}")
+    return list(providers)
+
+
+def _finite(x: Any) -> bool:
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:  # an integer beyond float's range
+        return False
+
+
+def _declared(name: str, m: dict, state: dict) -> tuple[list, tuple[str, ...]]:
+    """(shape, allowed dtypes) declared for a graph input or output of that name: by the manifest, or for a state
+    leaf read at step t > 1 (whose shape may change from step to step), by the previous graph's output."""
+    T = m["num_steps"]
+    policy = {"stop_logit": [None], "stop_plan": [None, T - 1], "replan_log_q": [None, T]}
+    if name in policy:
+        return policy[name], ("float32", "float64", "float16")
+    if name.startswith("state."):
+        return state[name]
+    table = {e["name"]: e for e in (*m["inputs"], *m["outputs"], *m["state"])}
+    e = table[name.removeprefix("previous.").removeprefix("next_")]
+    return e["shape"], (e["dtype"],)
+
+
+def _check_graph(sess: Any, step: dict, m: dict, path: Path, manifest: Path, state: dict) -> dict:
+    """A graph's own inputs and outputs (names, order of outputs, ranks, fixed dims, dtypes) as the manifest
+    declares them, and the state it reads as the previous graph gives it: a graph swapped for another export's,
+    or an edited shape or dtype, is refused here, not in a run. Returns the state it gives (for the next graph)."""
+    got_in, got_out = sess.get_inputs(), sess.get_outputs()
+    if sorted(a.name for a in got_in) != sorted(step["inputs"]):
+        raise ManifestError(f"{path} reads {[a.name for a in got_in]}, but {manifest} says {step['inputs']}")
+    if [a.name for a in got_out] != step["outputs"]:
+        raise ManifestError(f"{path} gives {[a.name for a in got_out]}, but {manifest} says {step['outputs']}")
+    given = {}
+    for a, is_input in [*((a, True) for a in got_in), *((a, False) for a in got_out)]:
+        dtype, dims = _ORT_DTYPES.get(a.type, a.type), list(a.shape or [])
+        if a.name.startswith("next_state."):  # what the next graph reads as its state: its own, step by step
+            given[a.name.removeprefix("next_")] = ([None] + [d if isinstance(d, int) and d > 0 else None
+                                                             for d in dims[1:]], (dtype,))
+            if step["t"] > 1:
+                continue  # the manifest's state is step 1's (its shape may change from step to step)
+        shape, dtypes = _declared(a.name, m, state)
+        what = f"{path}: {'input' if is_input else 'output'} {a.name!r}"
+        if dtype not in dtypes:
+            raise ManifestError(f"{what} is {dtype} in the graph, but {manifest} declares {' or '.join(dtypes)}")
+        if len(dims) != len(shape):
+            raise ManifestError(f"{what} has rank {len(dims)} in the graph, but {manifest} declares shape {shape} "
+                                f"(rank {len(shape)})")
+        for i, (want, have) in enumerate(zip(shape, dims)):
+            fixed = isinstance(have, int) and have > 0
+            # a graph must take any batch, and any size where the manifest lets an input's dim vary
+            free = is_input and want is None and (i == 0 or a.name.startswith("inputs"))
+            if fixed and ((want is not None and want != have) or free):
+                raise ManifestError(f"{what} has dim {i} = {have} in the graph, but {manifest} declares shape {shape}")
+    return given
 
 
 @dataclass
@@ -38,9 +111,12 @@ class StopRuntime:
     """An exported stop model, ready to run.
 
     Args:
-        folder: the export (``manifest.json`` and the ``step_*.onnx`` graphs); checked on load.
+        folder: the export (``manifest.json`` and the ``step_*.onnx`` graphs); checked on load: the manifest's
+            fields and checksum, every file's sha256 and each graph's inputs and outputs against the manifest
+            (:mod:`learn2stop.runtime.manifest`).
         threads: ONNX Runtime's intra-op threads (1 is fastest on a busy machine).
-        providers: ONNX Runtime execution providers (default: CPU).
+        providers: ONNX Runtime execution providers (default: CPU); each must be one ONNX Runtime has here, and
+            the first must be the one that runs the graphs (no silent fallback).
     """
 
     def __init__(self, folder: str | Path, threads: int = 1, providers: list[str] | None = None):
@@ -57,20 +133,22 @@ class StopRuntime:
         self.rule_spec = m["rule"]
         self.exit_costs = m["exit_costs"]
         self._n_out = len(self.outputs)
-        self._never_stop = np.float32((m.get("policy") or {}).get("never_stop_logit", -50.0))
+        self._never_stop = np.float32(m["policy"]["never_stop_logit"] if m["policy"] else 0.0)
+        self._providers = _check_providers(providers, ort.get_available_providers())
         opts = ort.SessionOptions()
         opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self._sessions, self._steps = [], m["steps"]
+        self._sessions, self._steps, state = [], m["steps"], {}
         for s in self._steps:
             path = self.folder / s["file"]
             try:
-                sess = ort.InferenceSession(str(path), opts, providers=providers or ["CPUExecutionProvider"])
+                sess = ort.InferenceSession(str(path), opts, providers=self._providers)
             except Exception as e:  # ONNX Runtime raises its own exception types
                 raise ManifestError(f"{path} cannot be loaded by ONNX Runtime: {str(e).splitlines()[0]}") from None
-            names = [i.name for i in sess.get_inputs()]
-            if sorted(names) != sorted(s["inputs"]):
-                raise ManifestError(f"{path} reads {names}, but {self.folder / 'manifest.json'} says {s['inputs']}")
+            if sess.get_providers()[:1] != self._providers[:1]:
+                raise ValueError(f"providers: {self._providers[0]} is available but could not run {path} "
+                                 f"(ONNX Runtime fell back to {', '.join(sess.get_providers())})")
+            state = _check_graph(sess, s, m, path, self.folder / "manifest.json", state)
             self._sessions.append(sess)
         in_names = [i["name"] for i in self.inputs]
         # per step, fixed once: the inputs it reads, the state leaves it reads (the exporter drops the others,
@@ -139,8 +217,9 @@ class StopRuntime:
                 raise ValueError(f"threshold: the export's rule ({spec['name']}"
                                  f"{', never stopping early' if spec.get('never_stops_early') else ''}) has no "
                                  "threshold to change; export the rule with a finite threshold")
-            if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold != threshold:
-                raise ValueError(f"threshold must be a number; got {threshold!r}")
+            if isinstance(threshold, (bool, np.bool_)) or not isinstance(threshold, (int, float, np.integer, np.floating)) \
+                    or not _finite(threshold):
+                raise ValueError(f"threshold must be a finite number (score units); got {threshold!r}")
             spec = {**spec, "threshold": float(threshold)}
         rule = make_rule(spec)
         rule.start(B)

@@ -1,36 +1,13 @@
-"""Export a trained stop model to ONNX, for :mod:`learn2stop.runtime` (numpy + ONNX Runtime, no torch).
-
-What is written to ``out_dir``:
-
-- ``step_01.onnx`` .. ``step_<last>.onnx``: one graph per step. Step 1 takes the inputs and builds the
-  initial state itself; step t > 1 takes the state of step t-1 (and the inputs it reads). Each returns
-  the new state (not at the last step), the readout where the rule needs it (every step where a sample
-  can stop), and the policy's stop logit where the policy is asked (a planning policy: its (B, T-1)
-  plan at ``plan_step``; one that plans twice, also its (B, T) second plan at ``replan_step``, from the
-  previous step's output, which that graph takes as ``previous.*`` inputs). One graph per step, not one graph with a loop: compaction then happens
-  between ONNX Runtime calls in numpy, and each call runs only the rows still going.
-- ``manifest.json``: the task, T, the rule and its parameter (from the run's ``calibration.json`` or the
-  inference config), the inputs and outputs (names, shapes with ``null`` for the batch, dtypes), each
-  graph's own inputs and outputs, the exit costs and the sha256 of every graph file.
-
-The folder is written to a temporary sibling and renamed into place: nothing is ever half-written.
-``out_dir`` must be new, empty or a complete earlier export (:func:`export_mismatch`: its manifest lists
-every file in it, each with its sha256); that one is kept at ``<out_dir>.previous`` once the new one is
-complete. Anything else is refused before any work (:mod:`learn2stop.utils.outputs`).
+"""The step graphs of an export: the rule as the manifest records it, which graphs exist, and tracing each.
 
 The graphs are traced with torch's TorchScript-based exporter (``torch.onnx.export(dynamo=False)``, opset
 17): it needs nothing beyond ``onnx`` and drops the inputs a step never reads, which tells the runtime what
 to compact. It is deprecated since torch 2.9; a torch without it will need the dynamo exporter (onnxscript).
-One op our policies use gets its ONNX form here (``logcumsumexp``).
-
-Example:
-    >>> from learn2stop.export import export_stop_model              # doctest: +SKIP
-    >>> export_stop_model(sm, {"name": "quantile", "param": 0.5}, y[:2], "exported", task="sparse")
+One op our policies use gets its ONNX form here (``logcumsumexp``). See :mod:`learn2stop.export` for the folder.
 """
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import shutil
@@ -42,24 +19,16 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .core.calibration import Calibration, InferenceConfig
-from .core.loop import NEVER_STOP_LOGIT, check_stepwise
-from .core.protocols import member
-from .core.trees import check_inputs
-from .core.rules import SIGNALS, DepthSignal
-from .runtime.manifest import ManifestError, read_manifest, sha256_file
-from .runtime.registry import list_rules
-from .utils.config import ConfigError
-from .utils.outputs import OutputError, check_output_folder, previous_path, replace_folder, writing
-from .utils.outputs import reason as _os_reason
-
-FORMAT = "learn2stop-onnx"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-
-
-class ExportError(ValueError):
-    """An export that cannot be made: the message names the file, the rule or the model part."""
+from ..core.calibration import Calibration, InferenceConfig
+from ..core.loop import NEVER_STOP_LOGIT, check_stepwise
+from ..core.protocols import member
+from ..core.rules import SIGNALS, DepthSignal
+from ..core.trees import check_inputs
+from ..runtime.manifest import FORMAT, FORMAT_VERSION, sha256_file
+from ..runtime.registry import list_rules
+from ..utils.outputs import reason as _os_reason
+from ..utils.outputs import replace_folder, writing
+from .folder import ExportError, check_out_dir, export_mismatch, write_manifest
 
 
 # ----------------------------------------------------------------------------- the rule
@@ -86,9 +55,14 @@ def rule_spec(rule: Any, source: str = "") -> dict:
                 raise ExportError(f"rule 'fixed': param is the depth, an integer >= 1; got {param!r}")
             threshold = None
         elif name in SIGNALS:
-            if not isinstance(param, (int, float)) or isinstance(param, bool) or math.isnan(param):
+            if param is None and "threshold" in rule:  # a score threshold alone (the onnxruntime backend's)
+                threshold = rule["threshold"]
+            elif not isinstance(param, (int, float)) or isinstance(param, bool) or math.isnan(param):
                 raise ExportError(f"rule {name!r}: param must be a number; got {param!r}")
-            threshold = rule.get("threshold", SIGNALS[name].from_param(float(param)))
+            else:
+                threshold = rule.get("threshold", SIGNALS[name].from_param(float(param)))
+            if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or math.isnan(threshold):
+                raise ExportError(f"rule {name!r}: threshold must be a number; got {threshold!r}")
         else:
             threshold = None
         source = source or rule.get("source", "given")
@@ -121,8 +95,12 @@ def _schedule(spec: dict, policy: Any, T: int) -> dict:
     if spec["never_stops_early"]:
         return {"last": T, "readout": [T], "policy": [], "plan": None, "replan": None}
     if name == "fixed":
-        last = min(int(spec["param"]), T)
-        return {"last": last, "readout": [last], "policy": [], "plan": None, "replan": None}
+        depth = int(spec["param"])
+        if not 1 <= depth <= T:
+            field = {"inference config": "inference.param", "calibration.json": "calibration.json: threshold"}.get(
+                spec["source"], "rule param")
+            raise ExportError(f"{field}: a fixed depth must be in 1..{T} (the model's steps); got {depth}")
+        return {"last": depth, "readout": [depth], "policy": [], "plan": None, "replan": None}
     if SIGNALS[name].needs_policy:
         if policy is None:
             raise ExportError(f"rule {name!r} needs a stopping policy, but the model has none")
@@ -204,40 +182,32 @@ def _describe(names: list[str], leaves: list[Tensor], dynamic: dict[str, list[in
 
 
 
-def _used_inputs(path: Path) -> list[str]:
-    """The graph's inputs as ONNX Runtime will ask for them (the exporter drops inputs a step never reads)."""
+def _graph_files(path: Path) -> tuple[list[str], list[str]]:
+    """(the graph's inputs as ONNX Runtime will ask for them, the external-data files its tensors load). The
+    exporter drops inputs a step never reads; a graph too large for one file keeps its weights beside it."""
     import onnx
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
-    return [i.name for i in onnx.load(str(path), load_external_data=False).graph.input]
+    graph = onnx.load(str(path), load_external_data=False).graph
+    files: list[str] = []
 
+    def tensors(g):  # every tensor of a graph: initializers and node attributes, subgraphs included
+        yield from g.initializer
+        yield from (s.values for s in g.sparse_initializer)
+        for node in g.node:
+            for a in node.attribute:
+                yield from ([a.t] if a.HasField("t") else []) + list(a.tensors)
+                for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    yield from tensors(sub)
 
-def export_mismatch(folder: str | Path) -> str | None:
-    """Why ``folder`` is not a complete export of ours, or None if it is: a valid manifest of this format, every
-    file it lists present with its sha256, and nothing else in the folder (only then may an export replace it)."""
-    folder = Path(folder)
-    try:
-        m = read_manifest(folder, verify=True)
-    except ManifestError as e:
-        return str(e).removesuffix("; export the run again")
-    except (OSError, UnicodeDecodeError) as e:
-        return f"{folder / MANIFEST} cannot be read ({e.strerror or type(e).__name__})"
-    listed = {MANIFEST, *(s["file"] for s in m["steps"])}
-    extra = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir() if p.name not in listed)
-    if extra:
-        return f"it also holds {', '.join(extra[:3])}{' and more' if len(extra) > 3 else ''}, not listed in its {MANIFEST}"
-    return None
-
-
-def check_out_dir(out: str | Path | None, arg: str = "--out", run_dir: str | Path | None = None) -> Path:
-    """Check, before any work, the folder an export is written to (:func:`learn2stop.utils.outputs.check_output_folder`):
-    a new folder, an empty one or a complete earlier export (kept at ``<out>.previous`` when replaced); never a
-    record of ``run_dir``, a file, or a folder holding anything else. Returns it absolute."""
-    if not out:
-        raise ExportError(f"{arg}: give the folder to write the export to (a new folder, or an earlier export)")
-    try:
-        return check_output_folder(out, arg, export_mismatch, run_dirs=[run_dir] if run_dir else [], what="export")
-    except OutputError as e:
-        raise ExportError(str(e)) from None
+    for x in tensors(graph):
+        if uses_external_data(x):
+            where = ExternalDataInfo(x).location
+            if Path(where).name != where or where in (".", ".."):
+                raise ExportError(f"{path.name}: external data {where!r} is not a file beside the graph")
+            if where not in files:
+                files.append(where)
+    return [i.name for i in graph.input], files
 
 
 def _without_extra_state(module: nn.Module) -> nn.Module:
@@ -300,6 +270,8 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
         exit_costs: cumulative cost of stopping at t = 1..T (default: the model's ``exit_costs``, else t).
         dynamic_dims: input leaf name -> dims besides the batch that may vary (images of any size:
             ``{"inputs": [2, 3]}``); every dim of the state and the outputs is then left free too.
+        opset: the ONNX opset of the graphs.
+        extra: what the manifest also records, under ``extra`` (JSON with finite numbers; the runtime never reads it).
     Returns:
         ``out_dir``.
     """
@@ -342,13 +314,16 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
     costs = [float(c) for c in (costs if costs is not None else range(1, T + 1))]
     if len(costs) != T:
         raise ExportError(f"exit_costs has {len(costs)} entries; the model has {T} steps")
+    if not all(math.isfinite(c) and c > 0 for c in costs) or costs != sorted(costs):
+        raise ExportError(f"exit_costs: the cumulative cost of stopping at each step must be finite, positive and "
+                          f"non-decreasing; got {costs}")
 
     tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     with writing("out_dir", out):  # an error names the folder asked for, not this hidden one
         tmp.mkdir(parents=True)
     try:
-        steps, state = [], state0
+        steps, files, state = [], {}, state0
         for t in range(1, plan["last"] + 1):
             keep = t < plan["last"]
             readout = t in plan["readout"]
@@ -384,8 +359,11 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
             except Exception as e:  # the exporter's errors are long; the first line says what failed
                 raise ExportError(f"step {t} of {type(model).__name__} cannot be exported to ONNX: "
                                   f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
-            steps.append({"t": t, "file": path.name, "sha256": sha256_file(path), "inputs": _used_inputs(path),
-                          "outputs": g_out, "readout": readout, "policy": kind})
+            reads, data = _graph_files(path)
+            for name in (path.name, *data):
+                files[name] = sha256_file(tmp / name)
+            steps.append({"t": t, "file": path.name, "inputs": reads, "outputs": g_out, "readout": readout,
+                          "policy": kind})
             if keep:
                 state = model.step(t, state, inputs)
         manifest = {
@@ -397,44 +375,12 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
                                                    "never_stop_logit": NEVER_STOP_LOGIT},
             "inputs": _describe(in_names, in_leaves, dynamic), "outputs": _describe(out_names, out_leaves, dynamic),
             "state": _describe(state_names, state_leaves, dynamic), "exit_costs": costs, "steps": steps,
-            "opset": opset, "exported_with": {"torch": torch.__version__}, **(extra or {}),
+            "files": files, "opset": opset, "exported_with": {"torch": torch.__version__},
+            **({"extra": extra} if extra else {}),
         }
-        with writing("out_dir", out):
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, allow_nan=False) + "\n")
+        write_manifest(tmp, manifest, out)
         replace_folder(tmp, out, export_mismatch, "out_dir", "export")  # an earlier export is kept at <out>.previous
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-# ----------------------------------------------------------------------------- the CLI command
-def export_command(app: Any, cfg: Any, run: Any, *, out: str | None, task: str = "custom") -> dict:
-    """``learn2stop <task> export --run-dir R --out DIR``: the run's stop model and deployed rule as ONNX."""
-    from .core.calibration import load_calibration
-    from .core.task import require_trained
-    from .core.train import load_stage
-    from .core.deploy import served_baseline
-
-    if app.export_unsupported:
-        raise ConfigError(f"export: {app.export_unsupported}")
-    check_out_dir(out, "--out", run.run_dir)
-    replacing = Path(out).is_dir() and any(Path(out).iterdir())
-    require_trained(run.run_dir, app.stop_stage, "export")
-    sm = load_stage(app, cfg, run.run_dir, app.stop_stage, "cpu")
-    inference = app.inference(cfg)
-    cal = load_calibration(run.run_dir) if inference.use_calibrated and not inference.sampled else None
-    rule = cal if cal is not None else inference
-    inputs = app.eval_batches(cfg, "test", "cpu")[0][0]
-    example = torch.utils._pytree.tree_map(lambda x: x[:2] if isinstance(x, Tensor) else x, inputs)
-    path = export_stop_model(sm, rule, example, out, task=task, dynamic_dims=app.export_dynamic_dims,
-                             extra={"run_dir": str(Path(run.run_dir).resolve()), "stage": app.stop_stage})
-    manifest = json.loads((path / MANIFEST).read_text())
-    r = manifest["rule"]
-    run.log(f"exported stage {app.stop_stage!r} of {run.run_dir} to {path}: {manifest['last_step']} step graphs, "
-            f"rule {r['name']} (param {r['param']}, from {r['source']})"
-            + (f"; the earlier export is kept in {previous_path(path)}" if replacing else ""))
-    reason = served_baseline(app, cfg, run.run_dir)
-    if reason is not None:
-        run.log(f"note: the run deploys {app.baseline_label} at full depth, not this stop model: {reason}")
-    return manifest
