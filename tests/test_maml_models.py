@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from learn2stop.core import StopAtTimes, StoppingModel, run_with_early_exit, unroll
-from learn2stop.tasks.maml.models import MLP, NETWORKS, Conv4, MAMLModel, masked_batch_norm
+from learn2stop.tasks.maml.learner import MLP, NETWORKS, Conv4, MAMLModel, masked_batch_norm
 from learn2stop.tasks.maml.policy import MAMLStopPolicy
 from learn2stop.tasks.maml.samplers import SinusoidSampler
 

@@ -5,8 +5,9 @@ import torch
 
 from learn2stop.core import StageConfig, StoppingModel, unroll
 from learn2stop.core.objectives import StageObjective
-from learn2stop.tasks.maml.app import preset
-from learn2stop.tasks.maml.models import MLP, MAMLModel, build
+from learn2stop.tasks.maml.config import preset
+from learn2stop.tasks.maml.learner import MLP, MAMLModel
+from learn2stop.tasks.maml.models import build
 from learn2stop.tasks.maml.policy import MAMLStopPolicy, PosteriorPredictive
 from learn2stop.tasks.maml.samplers import SinusoidSampler
 from learn2stop.utils.config import ConfigError
