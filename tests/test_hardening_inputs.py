@@ -261,7 +261,7 @@ def test_fit_and_train_refuse_a_dict_for_their_config(tmp_path):
     for bad in ({"objective": "stage1"}, None):
         with pytest.raises(TypeError, match="the stage config must be a StageConfig"):
             trainer.fit("stage1", bad)
-    from learn2stop.tasks.classify import app as classify_app
+    from learn2stop.tasks.classify import commands as classify_app
     from learn2stop.tasks.denoise import app as denoise_app
     from learn2stop.tasks.maml import commands as maml_app
     from learn2stop.tasks.sparse import app as sparse_app
