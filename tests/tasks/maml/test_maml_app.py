@@ -110,7 +110,7 @@ def test_fixed_task_sets_and_the_tolerance_signal():
     rule watches the relative change of each task's support loss."""
     import torch
 
-    from learn2stop.core import StoppingModel, signal_trace, unroll
+    from learn2stop.core import signal_trace, unroll
     from learn2stop.tasks.maml.app import APP
 
     cfg = resolve(MAMLConfig, PRESETS["quick"], overrides={"model": {"inner_steps": 3}, "eval": {"tasks": 7, "val_tasks": 5, "chunk": 3}})
