@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from learn2stop.core.train import load_stage
-from learn2stop.tasks.classify.app import APP, PRESETS, ClassifyConfig
+from learn2stop.tasks.classify import APP, PRESETS, ClassifyConfig
 from learn2stop.utils.config import merge, resolve
 
 TINY = {"data": {"kind": "synthetic", "size": 16, "synthetic_per_class": 8, "synthetic_classes": 3},

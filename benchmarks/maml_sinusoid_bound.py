@@ -37,7 +37,7 @@ from learn2stop.core.trace import collect_trace
 from learn2stop.core.loop import unroll
 from learn2stop.core.train import load_stage
 from learn2stop.core.rules import SIGNALS, first_crossing
-from learn2stop.tasks.maml.app import APP, MAMLConfig, preset
+from learn2stop.tasks.maml import APP, MAMLConfig, preset
 from learn2stop.tasks.maml.models import meta_learner
 from learn2stop.utils.config import load_run_config
 

@@ -120,7 +120,7 @@ def denoise_model(tiny: bool, bias: float | None, n: int):
 
 def maml_model(tiny: bool, bias: float | None, n: int):
     """The quick preset's MAML-stop (sinusoid regression, its policy) and n of its test tasks (dict inputs)."""
-    from learn2stop.tasks.maml.app import APP, preset
+    from learn2stop.tasks.maml import APP, preset
 
     cfg = preset("quick", **({"model": {"hidden": 8, "inner_steps": 3}, "eval": {"tasks": 8, "val_tasks": 4}}
                              if tiny else {}))

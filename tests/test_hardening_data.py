@@ -9,8 +9,9 @@ import torch
 from PIL import Image
 
 from learn2stop.tasks.denoise.images import (ImageDataError, check_image_size, load_folder, load_image, save_image)
-from learn2stop.tasks.maml.data import (ClassImages, DataError, MiniImagenet, RotatedClasses, check_disjoint,
-                                        load_omniglot_folders, load_omniglot_npz)
+from learn2stop.tasks.maml.classes import ClassImages, DataError, RotatedClasses, check_disjoint
+from learn2stop.tasks.maml.data import MiniImagenet
+from learn2stop.tasks.maml.omniglot import load_omniglot_folders, load_omniglot_npz
 
 
 # ----------------------------------------------------------------------------- Omniglot .npz

@@ -261,9 +261,9 @@ def test_fit_and_train_refuse_a_dict_for_their_config(tmp_path):
     for bad in ({"objective": "stage1"}, None):
         with pytest.raises(TypeError, match="the stage config must be a StageConfig"):
             trainer.fit("stage1", bad)
-    from learn2stop.tasks.classify import app as classify_app
+    from learn2stop.tasks.classify import commands as classify_app
     from learn2stop.tasks.denoise import app as denoise_app
-    from learn2stop.tasks.maml import app as maml_app
+    from learn2stop.tasks.maml import commands as maml_app
     from learn2stop.tasks.sparse import app as sparse_app
 
     for app in (sparse_app, maml_app, classify_app, denoise_app):
@@ -297,8 +297,10 @@ def test_a_resume_that_cannot_write_keeps_metrics(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- data
 def test_truncated_omniglot_npz_and_image_size_are_named(tmp_path):
-    from learn2stop.tasks.maml.data import DataError, load_omniglot_npz
-    from learn2stop.tasks.maml.task import Data, DataConfig
+    from learn2stop.tasks.maml.classes import DataError
+    from learn2stop.tasks.maml.config import DataConfig
+    from learn2stop.tasks.maml.data import Data
+    from learn2stop.tasks.maml.omniglot import load_omniglot_npz
     from test_hardening_data import GOOD_BG, GOOD_EV, write_npz
 
     root = write_npz(tmp_path / "o", GOOD_BG, GOOD_EV)

@@ -95,7 +95,7 @@ def test_folder_listing_skips_hidden_files_and_names_an_empty_folder(tmp_path):
 def test_every_task_reads_a_16_bit_png_the_same_way(tmp_path):
     from learn2stop.tasks.classify.data import ImageDataError, load_image_file
     from learn2stop.tasks.denoise.images import load_image
-    from learn2stop.tasks.maml.data import _load_gray
+    from learn2stop.tasks.maml.omniglot import _load_gray
 
     ramp = (np.linspace(0, 65535, 8 * 8).reshape(8, 8)).astype(np.uint16)
     Image.fromarray(ramp).save(tmp_path / "r.png")

@@ -1,34 +1,36 @@
-"""Few-shot datasets: Omniglot (compact .npz arrays or the standard PNG folders), MiniImagenet
-(images folder + CSV split files) and the embedded sinusoid-regression toy that needs no data.
+"""The tasks of a MAML run: the sources' train/val/test splits and their sampler (:class:`Data`), the fixed
+evaluation task batches, the training task the core trainer samples, and MiniImagenet.
 
-Every image dataset here is a list of classes, each a list of images, behind one small interface
-(:class:`ClassImages`): ``num_classes``, ``class_sizes`` and ``images(c, idx) -> (n, C, H, W)``
-float tensor. Samplers (``samplers.py``) only see that interface. Nothing is downloaded.
+Every image dataset is a list of classes, each a list of images, behind one small interface
+(:class:`~.classes.ClassImages`): ``num_classes``, ``class_sizes`` and ``images(c, idx) -> (n, C, H, W)``
+float tensor. Samplers (:mod:`.samplers`, with the embedded sinusoid-regression toy that needs no data) only see
+that interface. Nothing is downloaded.
 
 Loading checks what would otherwise go wrong silently: class names are unique and aligned with
 the image arrays (a misaligned name labels images wrongly), the train/val/test splits share no
 class (a shared one leaks test characters into training), and every image of a dataset has one
 size, the one asked for when ``image_size`` is given, before any training starts.
 
-Pieces: :mod:`.classes` (the interface and its checks), :mod:`.omniglot`; MiniImagenet and the sinusoid here.
+Pieces: :mod:`.classes` (the interface and its checks), :mod:`.omniglot` (compact .npz arrays or the standard PNG
+folders), :mod:`.samplers`; MiniImagenet (images folder + CSV split files) here.
 """
 from __future__ import annotations
 
 import csv
-import math
 from pathlib import Path
-
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from ...core.trees import tree_map
 from ...utils.images import read_image, to_uint8
-from .classes import ClassImages, DataError, RotatedClasses, check_disjoint, duplicates
-from .omniglot import OMNIGLOT_SPLIT, _load_gray, load_omniglot_folders, load_omniglot_npz
-
-__all__ = ["OMNIGLOT_SPLIT", "ClassImages", "DataError", "MiniImagenet", "RotatedClasses", "Sinusoid", "_load_gray",
-           "check_disjoint", "duplicates", "load_omniglot_folders", "load_omniglot_npz"]
+from .classes import DataError, RotatedClasses, check_disjoint
+from .config import DataConfig
+from .learner import MAMLModel
+from .omniglot import load_omniglot_folders, load_omniglot_npz
+from .samplers import FewShotSampler, SinusoidSampler
 
 
 # ----------------------------------------------------------------------------- MiniImagenet
@@ -115,22 +117,63 @@ class MiniImagenet:
         return torch.from_numpy(np.stack(out)).float() / 255.0  # (n, 3, H, W)
 
 
-# ----------------------------------------------------------------------------- sinusoid
-class Sinusoid:
-    """The classic MAML toy: y = A sin(x - phase), A ~ U[0.1, 5], phase ~ U[0, pi], x ~ U[-5, 5].
+class Data:
+    """The train/val/test datasets and the sampler, checked once against the sampler's needs."""
 
-    Needs no data. A task's support size is its shot count K; ``noise`` adds Gaussian noise to
-    the support targets only (query targets stay clean), which makes few-shot tasks easy to overfit.
+    def __init__(self, cfg: DataConfig):
+        if cfg.source == "sinusoid":
+            self.sampler = SinusoidSampler(cfg.k_min, cfg.k_max, cfg.query_per_class, noise=cfg.noise)
+            self.split = {"train": None, "val": None, "test": None}  # tasks are generated, not loaded
+            return
+        self.sampler = FewShotSampler(cfg.n_way, cfg.k_min, cfg.k_max, cfg.query_per_class)
+        load = {"omniglot_npz": lambda s: load_omniglot_npz(cfg.path, s, cfg.split_file or None, image_size=cfg.image_size),
+                "omniglot_folders": lambda s: load_omniglot_folders(cfg.path, s, cfg.split_file or None, image_size=cfg.image_size),
+                "miniimagenet": lambda s: MiniImagenet(cfg.path, s, image_size=cfg.image_size)}[cfg.source]
+        self.split = {s: load(s) for s in ("train", "val", "test")}
+        if cfg.rotations:
+            self.split = {s: RotatedClasses(ds) for s, ds in self.split.items()}
+        for s, ds in self.split.items():
+            self.sampler.check(ds, what=f"{cfg.source} {s} split at {cfg.path}")
+
+
+def to_device(tree: Any, device) -> Any:
+    return tree_map(lambda x: x.to(device), tree)
+
+
+class MetaLearningTask:
+    """Training task for :class:`~learn2stop.core.trainer.StagedTrainer`: meta-batches of tasks.
+
+    Args:
+        model: the :class:`MAMLModel` whose ``task_loss`` is the per-task query loss.
+        sampler: a task sampler (``samplers.py``); ``train_data`` / ``val_data``: the datasets it draws from.
+        val_tasks: number of fixed validation tasks; ``val_seed`` fixes them; ``chunk``: tasks per forward.
+        val_batches: the fixed validation batches themselves (then ``val_data``, ``val_tasks``,
+            ``val_seed`` and ``chunk`` are unused), so that selection and calibration share them.
     """
 
-    def __init__(self, noise: float = 0.0):
-        self.noise = noise
+    def __init__(self, model: MAMLModel, sampler, train_data, val_data, val_tasks: int = 100, val_seed: int = 0,
+                 chunk: int = 20, val_batches: list | None = None):
+        self.model, self.sampler, self.train_data = model, sampler, train_data
+        if val_batches is None:
+            val_batches = fixed_batches(sampler, val_data, val_tasks, torch.Generator().manual_seed(val_seed), chunk)
+        self._val = val_batches
 
-    def task(self, k: int, q: int, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """One task: support (k, 1), (k, 1) and query (q, 1), (q, 1)."""
-        amp = 0.1 + 4.9 * torch.rand((), generator=generator)
-        phase = math.pi * torch.rand((), generator=generator)
-        x = -5 + 10 * torch.rand(k + q, 1, generator=generator)
-        y = amp * torch.sin(x - phase)
-        ys = y[:k] + self.noise * torch.randn(k, 1, generator=generator)
-        return x[:k], ys, x[k:], y[k:]
+    def loss_fn(self, output: dict, target: Tensor) -> Tensor:
+        return self.model.task_loss(output, target)
+
+    def sample_batch(self, batch_size: int, generator: torch.Generator, device) -> tuple[dict, Tensor]:
+        inputs, target = self.sampler.batch(self.train_data, batch_size, generator)
+        return to_device(inputs, device), to_device(target, device)
+
+    def validation_batches(self, device):
+        return [(to_device(i, device), to_device(t, device)) for i, t in self._val]
+
+
+def fixed_batches(sampler, data, num_tasks: int, generator: torch.Generator, chunk: int) -> list[tuple[dict, Tensor]]:
+    """``num_tasks`` tasks drawn once with ``generator``, in meta-batches of at most ``chunk``."""
+    out, left = [], num_tasks
+    while left > 0:
+        n = min(chunk, left)
+        out.append(sampler.batch(data, n, generator))
+        left -= n
+    return out

@@ -57,8 +57,8 @@ def graph_saved_bytes(loss: torch.Tensor) -> int:
 
 def training_step(cfg, method: str, device, data=None) -> tuple[Callable[[int], torch.Tensor], Any]:
     """A closure running one meta-training step (forward and backward) of ``method`` (maml | stop)."""
-    from .app import Data, build
-    from .task import MetaLearningTask
+    from .data import Data, MetaLearningTask
+    from .models import build
 
     data = data or Data(cfg.data)
     maml, stop = build(cfg, device)
@@ -125,7 +125,7 @@ def process_peak_bytes(cfg, method: str, device: str = "cpu", repeats: int = 3) 
 
 if __name__ == "__main__":
     from ...utils.config import from_dict
-    from .app import MAMLConfig
+    from .config import MAMLConfig
 
     torch.set_num_threads(1)
     config = from_dict(MAMLConfig, json.loads(sys.argv[1]))

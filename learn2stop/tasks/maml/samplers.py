@@ -14,12 +14,13 @@ every class of the task; support and query images of a class are distinct images
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .data import DataError, Sinusoid
+from .classes import DataError
 
 
 def check_shots(k_min: int, k_max: int) -> None:
@@ -98,6 +99,26 @@ class FewShotSampler:
         inputs = {"support_x": torch.stack(sx), "support_y": torch.stack(sy), "support_mask": torch.stack(sm),
                   "query_x": torch.stack(qx), "shots": torch.tensor([ep.shots for ep in episodes])}
         return inputs, torch.stack(qy)
+
+
+class Sinusoid:
+    """The classic MAML toy: y = A sin(x - phase), A ~ U[0.1, 5], phase ~ U[0, pi], x ~ U[-5, 5].
+
+    Needs no data. A task's support size is its shot count K; ``noise`` adds Gaussian noise to
+    the support targets only (query targets stay clean), which makes few-shot tasks easy to overfit.
+    """
+
+    def __init__(self, noise: float = 0.0):
+        self.noise = noise
+
+    def task(self, k: int, q: int, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """One task: support (k, 1), (k, 1) and query (q, 1), (q, 1)."""
+        amp = 0.1 + 4.9 * torch.rand((), generator=generator)
+        phase = math.pi * torch.rand((), generator=generator)
+        x = -5 + 10 * torch.rand(k + q, 1, generator=generator)
+        y = amp * torch.sin(x - phase)
+        ys = y[:k] + self.noise * torch.randn(k, 1, generator=generator)
+        return x[:k], ys, x[k:], y[k:]
 
 
 class SinusoidSampler:

@@ -12,10 +12,10 @@ from learn2stop.core import StageConfig, StagedTrainer, StoppingModel
 from learn2stop.core import losses as L
 from learn2stop.core.distributions import log_oracle_distribution
 from learn2stop.core.objectives import NonFiniteError, step_ranges
-from learn2stop.tasks.maml.models import MLP, MAMLModel, clip_task_gradients
+from learn2stop.tasks.maml.learner import MLP, MAMLModel, clip_task_gradients
 from learn2stop.tasks.maml.policy import MAMLStopPolicy
 from learn2stop.tasks.maml.samplers import SinusoidSampler
-from learn2stop.tasks.maml.task import MetaLearningTask, fixed_batches
+from learn2stop.tasks.maml.data import MetaLearningTask, fixed_batches
 from learn2stop.utils.checkpoint import load_checkpoint
 
 # per-step losses (B=2, T=5) with diverged steps: -loss / beta overflows float32 at beta 0.01

@@ -8,7 +8,7 @@ import pytest
 from conftest import shared_data
 from learn2stop.cli import main
 from learn2stop.tasks import get_task
-from learn2stop.tasks.maml.app import PRESETS, MAMLConfig
+from learn2stop.tasks.maml.config import PRESETS, MAMLConfig
 from learn2stop.utils.config import ConfigError, resolve
 
 TINY = ["--maml.iterations", "4", "--stage1.iterations", "4", "--stage2.iterations", "4", "--posterior.iterations", "4",
@@ -166,7 +166,7 @@ def test_missing_or_unfit_data_is_a_clear_error(tmp_path, capsys):
 def test_paper_preset_checks_real_omniglot(tmp_path, capsys):
     """20-way 1-5 shot with rotations fits the real split; 20-way 20-shot + 1 query does not (20 drawings)."""
     path = str(shared_data("omniglot"))
-    from learn2stop.tasks.maml.app import Data
+    from learn2stop.tasks.maml.data import Data
 
     data = Data(resolve(MAMLConfig, PRESETS["paper"], overrides={"data": {"path": path}}).data)
     assert data.split["train"].num_classes == 4400 and data.split["test"].num_classes == 1692

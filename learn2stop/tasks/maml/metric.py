@@ -1,10 +1,19 @@
-"""MAML's per-example losses and metrics, masked means over padded tasks, and the confidence interval."""
+"""MAML's metric and losses: per-example losses, masked means over padded tasks, the query metric the core reports
+(query MSE or accuracy), the risk range of calibration, and the confidence interval of the report."""
 from __future__ import annotations
 
 import math
 
 from torch import Tensor
 from torch.nn import functional as F
+
+from ...core import Metric
+
+
+def loss_kind(cfg) -> str:
+    """The task's loss (cfg: a MAMLConfig): squared error for sinusoid regression, else cross-entropy."""
+    return "mse" if cfg.data.source == "sinusoid" else "cross_entropy"
+
 
 
 def per_example_loss(out: Tensor, y: Tensor, kind: str) -> Tensor:
@@ -39,3 +48,18 @@ def confidence_interval(values: Tensor) -> tuple[float, float]:
     n = v.numel()
     half = 1.96 * float(v.std(unbiased=True)) / math.sqrt(n) if n > 1 else float("nan")
     return float(v.mean()), half
+
+
+def task_metric(cfg) -> Metric:
+    """What the core reports per task (cfg: a MAMLConfig): query MSE (lower is better) or accuracy in %."""
+    kind = loss_kind(cfg)
+    per_task = lambda output, target: query_metric(output, target, kind)
+    if kind == "mse":
+        return Metric("query MSE", per_task, lower_is_better=True)
+    return Metric("accuracy (%)", per_task, lower_is_better=False, aggregate=lambda v, ex: 100 * v.double().mean())
+
+
+def risk_range(cfg) -> tuple[float, float] | None:
+    """The range of the risk losses calibration certifies: none for squared error (unbounded), [-1, 1] for accuracy
+    (differences of fractions)."""
+    return None if loss_kind(cfg) == "mse" else (-1.0, 1.0)  # accuracy: fractions, bounded

@@ -7,8 +7,9 @@ import torch
 from PIL import Image
 
 from conftest import shared_data
-from learn2stop.tasks.maml.data import (ClassImages, DataError, MiniImagenet, RotatedClasses, load_omniglot_folders,
-                                        load_omniglot_npz)
+from learn2stop.tasks.maml.classes import ClassImages, DataError, RotatedClasses
+from learn2stop.tasks.maml.data import MiniImagenet
+from learn2stop.tasks.maml.omniglot import load_omniglot_folders, load_omniglot_npz
 from learn2stop.tasks.maml.samplers import FewShotSampler, SinusoidSampler
 
 

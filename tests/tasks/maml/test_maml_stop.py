@@ -8,9 +8,9 @@ from learn2stop.core.distributions import oracle_distribution, sample_stop_time,
 from learn2stop.core.losses import stage1_marginal_loss
 from learn2stop.core.trainer import validation_scores
 from learn2stop.tasks.maml.memory import graph_bytes, graph_saved_bytes
-from learn2stop.tasks.maml.models import MLP, MAMLModel
+from learn2stop.tasks.maml.learner import MLP, MAMLModel
 from learn2stop.tasks.maml.samplers import SinusoidSampler
-from learn2stop.tasks.maml.task import MetaLearningTask
+from learn2stop.tasks.maml.data import MetaLearningTask
 
 
 def small_case(T=3, B=2):
@@ -80,7 +80,7 @@ def test_core_sampled_stage1_draws_from_the_oracle_and_recomputes_that_step():
 
 def test_stage1_graph_memory_stays_within_maml():
     """MAML-stop's training graph (recomputing only to t ~ q*) is no larger than 1.3x MAML's at equal T."""
-    from learn2stop.tasks.maml.app import PRESETS, MAMLConfig
+    from learn2stop.tasks.maml.config import PRESETS, MAMLConfig
     from learn2stop.utils.config import resolve
 
     # beta set on the stage itself: memory.py builds the objective from the stage's own config

@@ -241,7 +241,7 @@ def test_stage2_oracle_is_on_the_error_by_default_and_on_the_cross_entropy_if_as
     from learn2stop.core.trainer import stage_loss_fn
     from learn2stop.core import StageConfig
     from learn2stop.tasks.classify import APP, ClassifyConfig
-    from learn2stop.tasks.classify.task import error_loss
+    from learn2stop.tasks.classify.metric import error_loss
     from learn2stop.utils.config import from_dict
 
     logits, y = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0], [1.0, 0.0, 5.0]]), torch.tensor([0, 2, 2])

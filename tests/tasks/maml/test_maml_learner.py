@@ -1,12 +1,11 @@
-"""Functional MAML: the vmapped torch.func inner loop against hand-written references."""
+"""Functional MAML (learner.py): the vmapped torch.func inner loop against hand-written references."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from learn2stop.core import StopAtTimes, StoppingModel, run_with_early_exit, unroll
-from learn2stop.tasks.maml.models import MLP, NETWORKS, Conv4, MAMLModel, masked_batch_norm
-from learn2stop.tasks.maml.policy import MAMLStopPolicy
+from learn2stop.core import StopAtTimes, run_with_early_exit, unroll
+from learn2stop.tasks.maml.learner import MLP, NETWORKS, Conv4, MAMLModel, masked_batch_norm
 from learn2stop.tasks.maml.samplers import SinusoidSampler
 
 
@@ -149,99 +148,6 @@ def test_stopped_tasks_get_no_further_inner_updates():
     assert r.steps_computed == int(times.sum())
     for b, t in enumerate(times.tolist()):
         torch.testing.assert_close(r.outputs["pred"][b], full.step_outputs[t - 1]["pred"][b])
-
-
-def test_policy_runs_on_maml_outputs_and_needs_features():
-    torch.manual_seed(0)
-    net = MLP(hidden=8)
-    model = MAMLModel(net, 3, 0.05, loss="mse", policy_features=True)
-    policy = MAMLStopPolicy(net.feat_dim, 1, 3, classification=False)
-    inputs, target = SinusoidSampler(1, 5, 6).batch(None, 4, torch.Generator().manual_seed(0))
-    sm = StoppingModel(model, policy)
-    r = sm.unroll(inputs, target, model.task_loss)
-    assert r.stop_logits.shape == (4, 2) and torch.isfinite(r.stop_logits).all()
-    e = sm(inputs)
-    assert e.stop_times.min() >= 1 and e.stop_times.max() <= 3
-    model.policy_features = False
-    with pytest.raises(ValueError, match="policy_features"):
-        sm.unroll(inputs, target, model.task_loss)
-
-
-@pytest.mark.parametrize("classification", [False, True])
-def test_the_joint_policy_reads_each_support_element_with_its_fit(classification):
-    """The default policy embeds each support element's features with its target, prediction and residual: pairing
-    the fits with other elements' features changes its logit. A masked (padding) element does not."""
-    g = torch.Generator().manual_seed(0)
-    B, S, Q, D, C = 3, 5, 4, 6, (4 if classification else 1)
-    y = torch.randint(0, C, (B, S), generator=g) if classification else torch.randn(B, S, 1, generator=g)
-    inputs = {"support_y": y, "support_mask": torch.tensor([[1.0] * 5, [1.0] * 5, [1, 1, 1, 0, 0]]), "shots": torch.tensor([5, 5, 3])}
-    output = {"support_pred": torch.randn(B, S, C, generator=g), "support_feats": torch.randn(B, S, D, generator=g),
-              "query_feats": torch.randn(B, Q, D, generator=g), "pred": torch.randn(B, Q, C, generator=g),
-              "support_loss": torch.rand(B, generator=g)}
-    torch.manual_seed(0)
-    joint = MAMLStopPolicy(D, C, 4, classification)
-    assert joint.inputs == "joint"
-    shift = [1, 2, 0, 3, 4]  # the first three support elements' fits move to other elements' features
-    moved = {**output, "support_pred": output["support_pred"][:, shift]}
-    moved_inputs = {**inputs, "support_y": y[:, shift]}
-    with torch.no_grad():
-        a, b = joint(inputs, output, 2), joint(moved_inputs, moved, 2)
-    assert a.shape == (B,) and not torch.allclose(a, b)
-    padded = {**output, "support_feats": output["support_feats"].clone()}
-    padded["support_feats"][2, 3:] = 100.0
-    with torch.no_grad():
-        torch.testing.assert_close(joint(inputs, padded, 2), joint(inputs, output, 2))
-    for gone in ("both", "separate"):  # the release's separate sets are not built
-        with pytest.raises(ValueError, match="inputs must be one of joint, scalars"):
-            MAMLStopPolicy(D, C, 4, classification, inputs=gone)
-
-
-def test_a_scalars_policy_reads_its_scalars_alone():
-    """``inputs="scalars"`` (the quick preset's): no set embedding, so the support and query sets cannot move its logit,
-    and only the support loss is needed from the readout; its checkpoint loads into a scalars policy, and a
-    joint-built policy refuses it (the config says what a policy reads; a checkpoint does not rebuild it)."""
-    g = torch.Generator().manual_seed(2)
-    inputs = {"support_y": torch.randn(2, 3, 1, generator=g), "support_mask": torch.ones(2, 3), "shots": torch.tensor([3, 7])}
-    output = {"support_pred": torch.randn(2, 3, 1, generator=g), "support_feats": torch.randn(2, 3, 8, generator=g),
-              "query_feats": torch.randn(2, 5, 8, generator=g), "pred": torch.randn(2, 5, 1, generator=g),
-              "support_loss": torch.rand(2, generator=g)}
-    torch.manual_seed(0)
-    scalars = MAMLStopPolicy(8, 1, 5, classification=False, inputs="scalars")
-    assert scalars.support_set is None and scalars.head[0].in_features == 3
-    assert not any(k.split(".")[0].endswith("_set") for k in scalars.state_dict())
-    only_loss = {"support_loss": output["support_loss"], "pred": output["pred"]}
-    moved = {**output, "support_feats": -output["support_feats"], "query_feats": output["query_feats"] * 3}
-    with torch.no_grad():
-        a = scalars(inputs, output, 2)
-        torch.testing.assert_close(scalars(inputs, only_loss, 2), a)
-        torch.testing.assert_close(scalars(inputs, moved, 2), a)
-        assert not torch.allclose(scalars(inputs, {**output, "support_loss": output["support_loss"] + 1}, 2), a)
-    loaded = MAMLStopPolicy(8, 1, 5, classification=False, inputs="scalars")
-    loaded.load_state_dict(scalars.state_dict())
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(inputs, output, 2), a)
-    with pytest.raises(RuntimeError, match="Missing key"):
-        MAMLStopPolicy(8, 1, 5, classification=False).load_state_dict(scalars.state_dict())
-    with pytest.raises(ValueError, match="support features"):
-        MAMLStopPolicy(8, 1, 5, classification=False)(inputs, only_loss, 2)
-
-
-def test_the_estimate_starts_from_the_same_weights_whatever_the_policy_reads():
-    """The posterior-mean estimate (what MAML-stop's kept answer is chosen by) is built before the policy's own
-    modules, so runs that differ only in ``inputs`` start it from the same draw and answer alike before Stage II."""
-    made = {}
-    for inputs in MAMLStopPolicy.INPUTS:
-        torch.manual_seed(0)
-        made[inputs] = MAMLStopPolicy(8, 1, 5, classification=False, inputs=inputs, posterior=True, in_dim=1)
-    first = made["joint"].posterior.state_dict()
-    for inputs, policy in made.items():
-        got = policy.posterior.state_dict()
-        assert got.keys() == first.keys()
-        for k in first:
-            torch.testing.assert_close(got[k], first[k], rtol=0, atol=0, msg=f"{inputs}: {k}")
-    torch.manual_seed(1)
-    other = MAMLStopPolicy(8, 1, 5, classification=False, inputs="joint", posterior=True, in_dim=1).posterior
-    assert any(not torch.equal(v, first[k]) for k, v in other.state_dict().items())
 
 
 @pytest.mark.parametrize("name", NETWORKS.names())

@@ -16,8 +16,10 @@ from learn2stop.core.deploy import deployed_rule
 from learn2stop.core.train import load_stage
 from learn2stop.core.task import signal_key
 from learn2stop.core.rules import StopAtTimes, first_crossing
-from learn2stop.tasks.maml.app import APP, MAMLConfig, preset
-from learn2stop.tasks.maml.models import MLP, AnsweringMAML, MAMLModel, build, meta_learner
+from learn2stop.tasks.maml.app import APP
+from learn2stop.tasks.maml.config import MAMLConfig, preset
+from learn2stop.tasks.maml.learner import MLP, MAMLModel
+from learn2stop.tasks.maml.models import AnsweringMAML, build, meta_learner
 from learn2stop.tasks.maml.policy import MAMLStopPolicy
 from learn2stop.tasks.maml.samplers import SinusoidSampler
 from learn2stop.utils.config import ConfigError, load_run_config
