@@ -183,7 +183,7 @@ def test_command_help_gives_each_flag_its_field_docstring_and_the_presets_value(
 @pytest.mark.parametrize("task", ["sparse", "maml", "denoise", "classify"])
 def test_every_config_field_of_every_task_has_help(task):
     from learn2stop.tasks.base import get_task
-    from learn2stop.utils.config import _leaves
+    from learn2stop.utils.config_flags import _leaves
 
     undocumented = [name for name, _, _, doc in _leaves(get_task(task).config_class) if not doc]
     assert undocumented == []
@@ -208,7 +208,8 @@ def test_mistakes_get_one_or_two_lines_and_the_nearest_name(args, message, capsy
 
 def test_an_unknown_yaml_key_names_the_nearest_field(tmp_path):
     from learn2stop.tasks.sparse.config import SparseConfig
-    from learn2stop.utils.config import ConfigError, resolve
+    from learn2stop.utils.config import ConfigError
+    from learn2stop.utils.config_files import resolve
 
     (tmp_path / "c.yaml").write_text("stage1:\n  lrr: 0.1\n")
     with pytest.raises(ConfigError, match=r"^stage1\.lrr: unknown config field; did you mean 'lr'\?") as e:
@@ -218,7 +219,8 @@ def test_an_unknown_yaml_key_names_the_nearest_field(tmp_path):
 
 def test_config_errors_carry_the_field_they_blame():
     from learn2stop.tasks.sparse.config import SparseConfig
-    from learn2stop.utils.config import ConfigError, resolve
+    from learn2stop.utils.config import ConfigError
+    from learn2stop.utils.config_files import resolve
 
     with pytest.raises(ConfigError) as e:
         resolve(SparseConfig, {}, None, {"stage1": {"beta": 0}})
@@ -234,7 +236,8 @@ def test_a_changed_objective_takes_its_default_variant_unless_the_layer_gives_on
 
     from learn2stop.core import StageConfig
     from learn2stop.core.objectives import stage_field
-    from learn2stop.utils.config import ConfigError, resolve
+    from learn2stop.utils.config import ConfigError
+    from learn2stop.utils.config_files import resolve
 
     @dataclasses.dataclass
     class Free:

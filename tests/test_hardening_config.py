@@ -7,9 +7,10 @@ from typing import Optional
 
 import pytest
 
-from learn2stop.utils.config import (ConfigError, check_fields, finite, fraction, from_dict, in_open_unit, leaf_fields,
-                                     load_yaml, merge, non_empty, non_negative, non_negative_int, positive, positive_int,
-                                     resolve, to_dict)
+from learn2stop.utils.config import (ConfigError, check_fields, finite, fraction, from_dict, in_open_unit, merge, non_empty,
+                                     non_negative, non_negative_int, positive, positive_int, to_dict)
+from learn2stop.utils.config_files import load_yaml, resolve
+from learn2stop.utils.config_flags import leaf_fields
 
 
 @dataclasses.dataclass

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from ...core import InferenceConfig, MethodConfig, StageConfig, derive_seed
 from ...core.objectives import stage_field
-from ...utils.config import int_at_least, ints_at_least, non_negative, one_of, positive, preset_config, require
+from ...utils.config import int_at_least, ints_at_least, non_negative, one_of, positive, require
+from ...utils.config_files import preset_config
 from .data import ImageDataError, PatchBank, add_noise, load_folder, sample_sigmas, synthetic_images
 
 

@@ -25,7 +25,8 @@ from ...core.task import Stage, StoppingApp, check_config, signal_key
 from ...core.deploy import deployed_rule
 from ...core.train import load_stage
 from ...utils.seeding import derive_seed
-from ...utils.config import ints_at_least, preset_config, require, to_dict
+from ...utils.config import ints_at_least, require, to_dict
+from ...utils.config_files import preset_config
 from ...utils.report import write_json
 from ..base import RunContext, TaskSpec, as_run, register_task, reproduce_pipeline, train_pipeline
 from .losses import query_metric
