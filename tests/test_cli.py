@@ -260,3 +260,39 @@ def test_the_rule_is_checked_once_on_the_config_the_command_runs(tmp_path, capsy
     rc, _, err = _run([*args, "--model.policy_posterior", "false", "--run-dir", str(tmp_path / "run")], capsys)
     assert rc == 2 and "inference.rule: the 'patience' rule reads class probabilities" in err, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flag", ["--run-dir", "--config"])
+def test_a_path_too_long_for_the_file_system_is_one_line_naming_the_flag_before_any_work(tmp_path, capsys, flag):
+    long = tmp_path / ("p" * 300)
+    with pytest.raises(SystemExit) as e:
+        main(["sparse", "train", flag, str(long), "--run-dir" if flag == "--config" else "--no-progress",
+              *([str(tmp_path / "run")] if flag == "--config" else []), *TINY])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith(f"learn2stop sparse train: error: {flag}: ") and "is 300 bytes" in err[0], err
+    assert len(err) <= 2 and "Traceback" not in "".join(err)
+    assert list(tmp_path.iterdir()) == []  # refused before any work: no run directory
+
+
+def test_a_bad_value_in_the_config_file_is_refused_even_under_a_flag(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("lista:\n  L: -3\n")
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(["sparse", "train", "--config", str(tmp_path / "c.yaml"), "--lista.L", "4", "--run-dir", str(run),
+              "--no-progress", *TINY])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: lista.L: must be > 0; got -3.0 (set in config file" in err and "c.yaml" in err, err
+    assert not run.exists()
+
+
+def test_a_config_file_nested_too_deep_is_one_line_naming_the_flag(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("seed: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(SystemExit) as e:
+        main(["sparse", "train", "--config", str(tmp_path / "c.yaml"), "--run-dir", str(tmp_path / "run"),
+              "--no-progress", *TINY])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --config: config file" in err and "nests deeper than" in err, err
+    assert not (tmp_path / "run").exists()

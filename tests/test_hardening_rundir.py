@@ -82,6 +82,15 @@ def test_run_dir_that_cannot_be_created(tmp_path, monkeypatch):
         parent.chmod(0o755)
 
 
+@pytest.mark.parametrize("name", ["x" * 300, "/".join(["d" * 200] * 25)], ids=["a-name", "the-whole-path"])
+def test_a_run_dir_too_long_for_the_file_system_is_refused_by_name_before_anything(tmp_path, name):
+    with pytest.raises(RunDirError, match=r"^--run-dir: run directory .{10,90} cannot be used: the (name '.*' is 300 "
+                                          r"bytes; this file system holds names|path is \d+ bytes; this file system "
+                                          r"holds paths) of at most \d+; choose a shorter one$"):
+        prepare_run_dir(tmp_path / name, create=True)
+    assert list(tmp_path.iterdir()) == []
+
+
 # ----------------------------------------------------------------------------- the lock
 def test_second_writer_in_the_same_process_is_refused_and_told_who(tmp_path):
     with RunLock(tmp_path, "train") as first:

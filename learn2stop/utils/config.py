@@ -269,7 +269,8 @@ def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
     if unknown:
         guess = closest(unknown[0], names) if isinstance(unknown[0], str) else None
         hint = f"; did you mean {guess!r}?" if guess else ""
-        raise ConfigError(f"unknown config field{hint} (known: {', '.join(sorted(names))})", f"{prefix}{unknown[0]}")
+        key = unknown[0] if isinstance(unknown[0], str) and unknown[0].isidentifier() else shown(unknown[0])
+        raise ConfigError(f"unknown config field{hint} (known: {', '.join(sorted(names))})", f"{prefix}{key}")
     kwargs = {}
     for name, value in data.items():
         tp = hints[name]
