@@ -23,6 +23,7 @@ import yaml
 from .config import ConfigError, from_dict, merge, shown, to_dict
 from .paths import name_problem, shown_path
 
+
 class ConfigFileError(ConfigError):
     """A config file that cannot be read, or a value in it that is refused; the message names the file."""
 
@@ -169,7 +170,6 @@ def save_yaml(cfg: Any, path: str | Path) -> None:
     write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
-
 def load_run_config(cls: type, run_dir: str | Path) -> Any:
     """The config a run was trained with, from its ``config.yaml``."""
     return from_dict(cls, load_yaml(Path(run_dir) / "config.yaml"))
@@ -183,7 +183,8 @@ def resolve(cls: type, preset: dict | None = None, yaml_path: str | None = None,
 
 def merge_layers(cls: type, preset: dict | None = None, yaml_path: str | None = None,
                  overrides: dict | None = None) -> dict:
-    """Defaults <- preset <- YAML file <- CLI overrides as one nested dict, not validated yet.
+    """Defaults <- preset <- YAML file <- CLI overrides as one nested dict, not built yet; a value the file sets is
+    checked already (:func:`check_file_values`), since no later build sees it where a flag overrides it.
 
     A field that follows another (a section's ``follows`` class attribute: a stage's ``variant`` follows its
     ``objective``) goes back to its default when a layer sets the field it follows and not it:
