@@ -6,7 +6,8 @@ from pathlib import Path
 
 from learn2stop.core.train import load_stage
 from learn2stop.tasks.classify import APP, PRESETS, ClassifyConfig
-from learn2stop.utils.config import merge, resolve
+from learn2stop.utils.config import merge
+from learn2stop.utils.config_files import resolve
 
 TINY = {"data": {"kind": "synthetic", "size": 16, "synthetic_per_class": 8, "synthetic_classes": 3},
         "model": {"arch": "vgg6-narrow", "fc_width": 16}}

@@ -20,7 +20,8 @@ import torch
 from learn2stop.core.frontier import frontier_command
 from learn2stop.tasks.base import RunContext
 from learn2stop.tasks.classify import APP, PRESETS, ClassifyConfig, evaluate, train
-from learn2stop.utils.config import merge, resolve
+from learn2stop.utils.config import merge
+from learn2stop.utils.config_files import resolve
 from learn2stop.utils.distributed import DistContext
 
 

@@ -43,7 +43,8 @@ from learn2stop.tasks.base import RunContext  # noqa: E402
 from learn2stop.tasks.denoise.app import APP, evaluate, train  # noqa: E402
 from learn2stop.tasks.denoise.config import PRESETS, DenoiseAppConfig  # noqa: E402
 from learn2stop.tasks.denoise.report import PAPER_TABLE6  # noqa: E402
-from learn2stop.utils.config import merge, resolve  # noqa: E402
+from learn2stop.utils.config import merge
+from learn2stop.utils.config_files import resolve  # noqa: E402
 
 
 def _stage(it, lr, batch=32, **kw):

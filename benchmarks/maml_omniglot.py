@@ -47,7 +47,8 @@ from learn2stop.core.frontier import frontier_command  # noqa: E402
 from learn2stop.tasks.base import RunContext  # noqa: E402
 from learn2stop.tasks.maml import APP, PRESETS, MAMLConfig, reproduce  # noqa: E402
 from learn2stop.tasks.maml.memory import graph_bytes, process_peak_bytes  # noqa: E402
-from learn2stop.utils.config import merge, resolve, to_dict  # noqa: E402
+from learn2stop.utils.config import merge, to_dict  # noqa: E402
+from learn2stop.utils.config_files import resolve  # noqa: E402
 from learn2stop.utils.distributed import DistContext  # noqa: E402
 from learn2stop.utils.report import markdown_table  # noqa: E402
 

@@ -39,7 +39,7 @@ from learn2stop.core.train import load_stage
 from learn2stop.core.rules import SIGNALS, first_crossing
 from learn2stop.tasks.maml import APP, MAMLConfig, preset
 from learn2stop.tasks.maml.models import meta_learner
-from learn2stop.utils.config import load_run_config
+from learn2stop.utils.config_files import load_run_config
 
 
 def recovered_tasks(batches, points: int, generator: torch.Generator) -> tuple[list, float]:

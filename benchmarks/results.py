@@ -98,7 +98,8 @@ def run_tables(run_dir: Path) -> dict[str, dict]:
 def preset_and_flags(task: str, config: dict) -> tuple[str, list[str]]:
     """The task's preset closest to the run's resolved config, and the flags (``--a.b value``) that set the rest."""
     from learn2stop.tasks import get_task
-    from learn2stop.utils.config import preset_config, to_dict
+    from learn2stop.utils.config_files import preset_config
+    from learn2stop.utils.config import to_dict
 
     spec = get_task(task)
     flat = lambda d, p="": ({k: v for key, val in d.items() for k, v in flat(val, f"{p}{key}.").items()}

@@ -52,7 +52,7 @@ def _from_run(task: str, run_dir: str):
     """(stop model, rule, test inputs) of a trained run: its stop stage, its deployed rule."""
     from learn2stop.core.train import load_stage
     from learn2stop.tasks.base import get_task
-    from learn2stop.utils.config import resolve
+    from learn2stop.utils.config_files import resolve
 
     spec = get_task(task)
     cfg = resolve(spec.config_class, {}, str(Path(run_dir) / "config.yaml"))

@@ -36,7 +36,7 @@ from learn2stop.core.calibrate import shuffled
 from learn2stop.core.rules import FixedDepth, SignalRule, StopAtTimes, make_signal
 from learn2stop.tasks.sparse.app import APP
 from learn2stop.tasks.sparse.config import SparseConfig
-from learn2stop.utils.config import load_run_config
+from learn2stop.utils.config_files import load_run_config
 
 
 def _timed(fn, inner: int) -> float:

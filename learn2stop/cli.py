@@ -22,8 +22,10 @@ from typing import NoReturn
 from . import __version__
 from .tasks.base import OPTION_READERS, TRAINING_COMMANDS, CommandOptions, RunContext, get_task, list_tasks
 from .utils.checkpoint import CheckpointError
-from .utils.config import (ConfigError, add_config_arguments, closest, from_dict, merge_layers, overrides_from_args,
-                           resolve, to_dict)
+from .utils.config import ConfigError, closest, from_dict, to_dict
+from .utils.config_files import ConfigFileError, merge_layers, resolve
+from .utils.config_flags import add_config_arguments, overrides_from_args
+from .utils.rundir import RunDirError, check_run_dir_name
 
 #: what the commands every task has do (a task's own command says it in its docstring)
 COMMANDS = {
@@ -186,7 +188,10 @@ def _resolve(spec, args: argparse.Namespace):
     """The config of the preset, ``--config`` and the field flags. Its rule is checked once, on this config, by
     :func:`check_command_options`; but when the config is refused for ``inference.param``, a rule the task lacks is
     the mistake to name (another rule's parameter range says nothing useful)."""
-    data = merge_layers(spec.config_class, spec.presets[args.preset], args.config, overrides_from_args(args))
+    try:
+        data = merge_layers(spec.config_class, spec.presets[args.preset], args.config, overrides_from_args(args))
+    except ConfigFileError as e:  # the file itself (not a value in it): the user's argument is --config
+        raise (ConfigError(e.reason, "--config") if e.field is None else e) from None
     try:
         return from_dict(spec.config_class, data)
     except ConfigError as e:
@@ -300,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0
+    run_dir = Path(args.run_dir or f"runs/{task_name}-{args.preset}")
+    try:
+        check_run_dir_name(run_dir)  # by name, before anything stats it: a bare OSError otherwise
+    except RunDirError as e:
+        parser.error(str(e))
     if args.threads is not None:
         if args.threads < 1:
             parser.error(f"--threads must be >= 1; got {args.threads}")
@@ -312,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx = init_distributed(args.device)
     except ValueError as e:
         parser.error(str(e))
-    run = RunContext(run_dir=Path(args.run_dir or f"runs/{task_name}-{args.preset}"), ctx=ctx,
+    run = RunContext(run_dir=run_dir, ctx=ctx,
                      progress=not args.no_progress, resume=not args.no_resume)
     new_folder = _new_folder_root(run.run_dir) if command in TRAINING_COMMANDS else None
     failed = True

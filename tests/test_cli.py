@@ -184,7 +184,7 @@ def test_command_help_gives_each_flag_its_field_docstring_and_the_presets_value(
 @pytest.mark.parametrize("task", ["sparse", "maml", "denoise", "classify"])
 def test_every_config_field_of_every_task_has_help(task):
     from learn2stop.tasks.base import get_task
-    from learn2stop.utils.config import _leaves
+    from learn2stop.utils.config_flags import _leaves
 
     undocumented = [name for name, _, _, doc in _leaves(get_task(task).config_class) if not doc]
     assert undocumented == []
@@ -209,7 +209,8 @@ def test_mistakes_get_one_or_two_lines_and_the_nearest_name(args, message, capsy
 
 def test_an_unknown_yaml_key_names_the_nearest_field(tmp_path):
     from learn2stop.tasks.sparse.config import SparseConfig
-    from learn2stop.utils.config import ConfigError, resolve
+    from learn2stop.utils.config import ConfigError
+    from learn2stop.utils.config_files import resolve
 
     (tmp_path / "c.yaml").write_text("stage1:\n  lrr: 0.1\n")
     with pytest.raises(ConfigError, match=r"^stage1\.lrr: unknown config field; did you mean 'lr'\?") as e:
@@ -219,7 +220,8 @@ def test_an_unknown_yaml_key_names_the_nearest_field(tmp_path):
 
 def test_config_errors_carry_the_field_they_blame():
     from learn2stop.tasks.sparse.config import SparseConfig
-    from learn2stop.utils.config import ConfigError, resolve
+    from learn2stop.utils.config import ConfigError
+    from learn2stop.utils.config_files import resolve
 
     with pytest.raises(ConfigError) as e:
         resolve(SparseConfig, {}, None, {"stage1": {"beta": 0}})
@@ -235,7 +237,8 @@ def test_a_changed_objective_takes_its_default_variant_unless_the_layer_gives_on
 
     from learn2stop.core import StageConfig
     from learn2stop.core.objectives import stage_field
-    from learn2stop.utils.config import ConfigError, resolve
+    from learn2stop.utils.config import ConfigError
+    from learn2stop.utils.config_files import resolve
 
     @dataclasses.dataclass
     class Free:
@@ -257,4 +260,40 @@ def test_the_rule_is_checked_once_on_the_config_the_command_runs(tmp_path, capsy
     assert rc == 0 and "rule: patience" in out, err
     rc, _, err = _run([*args, "--model.policy_posterior", "false", "--run-dir", str(tmp_path / "run")], capsys)
     assert rc == 2 and "inference.rule: the 'patience' rule reads class probabilities" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flag", ["--run-dir", "--config"])
+def test_a_path_too_long_for_the_file_system_is_one_line_naming_the_flag_before_any_work(tmp_path, capsys, flag):
+    long = tmp_path / ("p" * 300)
+    with pytest.raises(SystemExit) as e:
+        main(["sparse", "train", flag, str(long), "--run-dir" if flag == "--config" else "--no-progress",
+              *([str(tmp_path / "run")] if flag == "--config" else []), *TINY])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith(f"learn2stop sparse train: error: {flag}: ") and "is 300 bytes" in err[0], err
+    assert len(err) <= 2 and "Traceback" not in "".join(err)
+    assert list(tmp_path.iterdir()) == []  # refused before any work: no run directory
+
+
+def test_a_bad_value_in_the_config_file_is_refused_even_under_a_flag(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("lista:\n  L: -3\n")
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(["sparse", "train", "--config", str(tmp_path / "c.yaml"), "--lista.L", "4", "--run-dir", str(run),
+              "--no-progress", *TINY])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: lista.L: must be > 0; got -3.0 (set in config file" in err and "c.yaml" in err, err
+    assert not run.exists()
+
+
+def test_a_config_file_nested_too_deep_is_one_line_naming_the_flag(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("seed: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(SystemExit) as e:
+        main(["sparse", "train", "--config", str(tmp_path / "c.yaml"), "--run-dir", str(tmp_path / "run"),
+              "--no-progress", *TINY])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --config: config file" in err and "nests deeper than" in err, err
     assert not (tmp_path / "run").exists()

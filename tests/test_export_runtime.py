@@ -378,7 +378,8 @@ def test_cli_exports_a_trained_run_and_refuses_an_unfinished_one(tmp_path, capsy
     from learn2stop.core.train import load_stage
     from learn2stop.tasks.sparse.app import APP
     from learn2stop.tasks.sparse.config import PRESETS, SparseConfig
-    from learn2stop.utils.config import overrides_from_args, resolve
+    from learn2stop.utils.config_flags import overrides_from_args
+    from learn2stop.utils.config_files import resolve
 
     cfg = resolve(SparseConfig, PRESETS["quick"], None, overrides_from_args(build_parser("sparse", "export").parse_args(TINY)))
     sm = load_stage(APP, cfg, run, "stage2", "cpu")

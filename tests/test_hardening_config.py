@@ -7,9 +7,10 @@ from typing import Optional
 
 import pytest
 
-from learn2stop.utils.config import (ConfigError, check_fields, finite, fraction, from_dict, in_open_unit, leaf_fields,
-                                     load_yaml, merge, non_empty, non_negative, non_negative_int, positive, positive_int,
-                                     resolve, to_dict)
+from learn2stop.utils.config import (ConfigError, check_fields, finite, fraction, from_dict, in_open_unit, merge, non_empty,
+                                     non_negative, non_negative_int, positive, positive_int, require, to_dict)
+from learn2stop.utils.config_files import MAX_BYTES, MAX_DEPTH, MAX_NODES, load_yaml, resolve
+from learn2stop.utils.config_flags import leaf_fields
 
 
 @dataclasses.dataclass
@@ -195,3 +196,122 @@ def test_helpers_accept_good_values():
     positive_int(1, "f"), non_negative_int(0, "f"), finite(-2.5, "f"), in_open_unit(0.5, "f")
     fraction(1.0, "f"), positive(1e-9, "f"), non_negative(0, "f"), non_empty([1], "f")
     assert to_dict(Outer())["stage"]["widths"] == [4, 4]
+
+
+# ----------------------------------------------------------------------------- limits on a file, before anything is built
+@pytest.mark.parametrize("text", [
+    "seed: " + "[" * 5000 + "]" * 5000 + "\n",  # flow sequences 5,000 deep
+    "seed: " + "{a: " * 5000 + "1" + "}" * 5000 + "\n",  # flow mappings 5,000 deep
+    "".join(" " * i + f"k{i}:\n" for i in range(200)) + " " * 200 + "x: 1\n",  # block mappings 200 deep
+], ids=["lists", "mappings", "block"])
+def test_a_file_nested_too_deep_is_refused_naming_the_file(tmp_path, text):
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=rf"^config file .*c\.yaml nests deeper than {MAX_DEPTH} levels"):
+        resolve(Outer, {}, str(tmp_path / "c.yaml"))
+
+
+def test_a_file_of_megabytes_is_refused_before_it_is_read(tmp_path):
+    (tmp_path / "c.yaml").write_text("seed: 3\n" + "#" * (MAX_BYTES + 1) + "\n")
+    with pytest.raises(ConfigError, match=r"^config file .*c\.yaml is larger than \d+ MiB"):
+        load_yaml(tmp_path / "c.yaml")
+
+
+def test_aliases_that_expand_beyond_the_limit_are_refused_not_expanded(tmp_path):
+    lines = ["l0: &l0 {" + ", ".join(f"k{i}: 1" for i in range(10)) + "}"]
+    lines += [f"l{n}: &l{n} {{" + ", ".join(f"k{i}: *l{n - 1}" for i in range(10)) + "}" for n in range(1, 6)]
+    (tmp_path / "c.yaml").write_text("\n".join(lines) + "\n")  # 10**6 values once expanded
+    with pytest.raises(ConfigError, match=rf"^config file .*c\.yaml holds more than {MAX_NODES} values"):
+        load_yaml(tmp_path / "c.yaml")
+
+
+@pytest.mark.parametrize("content, match", [
+    ("? [1, 2]\n: 3\n", r"is not valid YAML: a key must be a name, not a sequence"),
+    ("seed: " + "9" * 5000 + "\n", r"holds a value that cannot be read"),
+    ("seed: !!python/object/apply:os.getcwd []\n", r"is not valid YAML: could not determine a constructor"),
+], ids=["unhashable-key", "int-of-5000-digits", "python-tag"])
+def test_yaml_that_pyyaml_cannot_build_safely_is_a_config_error(tmp_path, content, match):
+    (tmp_path / "c.yaml").write_text(content)
+    with pytest.raises(ConfigError, match=rf"^config file .*c\.yaml {match}"):
+        load_yaml(tmp_path / "c.yaml")
+
+
+def test_files_are_read_with_a_safe_loader_only():
+    import inspect
+
+    import yaml
+
+    from learn2stop.utils import config_files
+
+    assert issubclass(config_files._UniqueKeyLoader, yaml.SafeLoader)
+    source = inspect.getsource(config_files)
+    assert "yaml.load(" in source and "Loader=_UniqueKeyLoader" in source
+    assert "yaml.unsafe_load" not in source and "FullLoader" not in source and "UnsafeLoader" not in source
+
+
+# ----------------------------------------------------------------------------- a file's value is its own statement
+@dataclasses.dataclass
+class Rule:
+    kind: str = "ratio"
+    value: float = 0.5
+
+    def __post_init__(self):
+        if self.kind == "ratio":
+            in_open_unit(self.value, "rule.value")
+        else:
+            require(self.value >= 1, "rule.value", f"a step must be >= 1; got {self.value}")
+
+
+@dataclasses.dataclass
+class WithRule:
+    seed: int = 0
+    rule: Rule = dataclasses.field(default_factory=Rule)
+
+
+@pytest.mark.parametrize("text, flags, match", [
+    ("stage:\n  lr: 2\n", {"stage": {"lr": 0.25}}, None),  # a valid value a flag overrides: the flag wins
+    ("stage:\n  steps: x\n", {"stage": {"steps": 4}}, r"^stage\.steps: expected int; got 'x' \(set in config file"),
+    ("seed: 1.5\n", {"seed": 2}, r"^seed: expected int; got 1\.5 \(set in config file .*c\.yaml\)"),
+    ("stage:\n  widths: [4, true]\n", {"stage": {"widths": "3"}}, r"^stage\.widths\[1\]: expected int, not a boolean"),
+])
+def test_a_bad_value_in_the_file_is_refused_even_when_a_flag_overrides_it(tmp_path, text, flags, match):
+    (tmp_path / "c.yaml").write_text(text)
+    if match is None:
+        assert resolve(Outer, {}, str(tmp_path / "c.yaml"), flags).stage.lr == 0.25
+        return
+    with pytest.raises(ConfigError, match=match):
+        resolve(Outer, {}, str(tmp_path / "c.yaml"), flags)
+
+
+def test_a_files_value_is_judged_with_the_flags_it_does_not_contradict(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rule:\n  value: 7\n")  # a step: valid once the flag says the rule counts steps
+    assert resolve(WithRule, {}, str(path), {"rule": {"kind": "steps"}}).rule == Rule("steps", 7.0)
+    with pytest.raises(ConfigError, match=r"^rule\.value: must be in \(0, 1\); got 7\.0 \(set in config file"):
+        resolve(WithRule, {}, str(path), {"rule": {"value": 0.5}})  # the flag hides the file's value: still refused
+    path.write_text("rule:\n  kind: ratio\n")
+    with pytest.raises(ConfigError, match=r"^rule\.value: must be in \(0, 1\); got 7\.0$"):
+        resolve(WithRule, {}, str(path), {"rule": {"value": 7}})  # the flag's own mistake: no file named
+
+
+def test_sparse_file_value_hidden_by_a_flag_is_refused(tmp_path):
+    sparse = pytest.importorskip("learn2stop.tasks.sparse.app")
+    (tmp_path / "c.yaml").write_text("lista:\n  L: -3\n")
+    with pytest.raises(ConfigError, match=r"^lista\.L: must be > 0; got -3\.0 \(set in config file .*c\.yaml\)") as e:
+        resolve(sparse.SparseConfig, sparse.PRESETS["quick"], str(tmp_path / "c.yaml"), {"lista": {"L": 4.0}})
+    assert e.value.field == "lista.L"
+
+
+# ----------------------------------------------------------------------------- values shown short
+def test_a_value_nested_thousands_deep_or_megabytes_long_gives_a_short_one_line_error():
+    deep: object = 1
+    for _ in range(5000):
+        deep = {"a": deep}
+    with pytest.raises(ConfigError, match=r"^stage\.name: expected a single str, not a mapping; got \{'a': \{'a': "):
+        from_dict(Outer, {"stage": {"name": deep}})
+    with pytest.raises(ConfigError, match=r"^seed: expected int; got 'x+\.\.\.x+'$") as e:
+        from_dict(Outer, {"seed": "x" * 2 ** 20})
+    assert len(str(e.value)) < 200
+    with pytest.raises(ConfigError, match=r"^'': unknown config field"):
+        from_dict(Outer, {"": 1})
+    with pytest.raises(ConfigError, match=r"^'a\\nb': unknown config field"):
+        from_dict(Outer, {"a\nb": 1})

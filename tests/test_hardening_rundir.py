@@ -16,8 +16,10 @@ from learn2stop.utils import rundir
 from learn2stop.utils.checkpoint import clean_stale_temp_files, load_checkpoint, save_checkpoint
 from learn2stop.utils.formats import RUN_FORMAT
 from learn2stop.utils.report import append_jsonl, write_json, write_text_atomic
-from learn2stop.utils.rundir import (ABSENT, RunDirError, RunLock, check_fingerprint, diff_fields, fingerprint,
-                                     move_aside, prepare_run_dir, read_fingerprint, truncate_metrics, write_fingerprint)
+from learn2stop.utils.fingerprint import (ABSENT, check_fingerprint, diff_fields, fingerprint, fingerprint_task,
+                                          read_fingerprint, write_fingerprint)
+from learn2stop.utils.rundir import RunDirError, move_aside, prepare_run_dir, truncate_metrics
+from learn2stop.utils.runlock import RunLock
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
@@ -80,6 +82,15 @@ def test_run_dir_that_cannot_be_created(tmp_path, monkeypatch):
         parent.chmod(0o755)
 
 
+@pytest.mark.parametrize("name", ["x" * 300, "/".join(["d" * 200] * 25)], ids=["a-name", "the-whole-path"])
+def test_a_run_dir_too_long_for_the_file_system_is_refused_by_name_before_anything(tmp_path, name):
+    with pytest.raises(RunDirError, match=r"^--run-dir: run directory .{10,90} cannot be used: the (name '.*' is 300 "
+                                          r"bytes; this file system holds names|path is \d+ bytes; this file system "
+                                          r"holds paths) of at most \d+; choose a shorter one$"):
+        prepare_run_dir(tmp_path / name, create=True)
+    assert list(tmp_path.iterdir()) == []
+
+
 # ----------------------------------------------------------------------------- the lock
 def test_second_writer_in_the_same_process_is_refused_and_told_who(tmp_path):
     with RunLock(tmp_path, "train") as first:
@@ -102,17 +113,16 @@ def test_reader_refused_while_a_writer_runs_and_readers_share(tmp_path):
 
 
 HOLDER = """
-import importlib.util, sys, time
-spec = importlib.util.spec_from_file_location("rundir", sys.argv[1])
-mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
-lock = mod.RunLock(sys.argv[2], "train").acquire()
+import sys, time
+from learn2stop.utils.runlock import RunLock
+lock = RunLock(sys.argv[1], "train").acquire()
 print("locked", flush=True)
 time.sleep(60)
 """
 
 
 def test_lock_held_by_another_process_then_freed_by_kill_9(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, rundir.__file__, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "locked"
         with pytest.raises(RunDirError, match=rf"in use by pid {proc.pid} .*command 'train'"):
@@ -164,7 +174,7 @@ def test_a_run_of_another_run_format_is_refused_in_one_line_naming_both_formats(
     (tmp_path / "fingerprint.json").write_text(json.dumps(stored))
     want = (f"run directory {tmp_path} was written by learn2stop run format 0 (none recorded); this learn2stop reads "
             f"format {RUN_FORMAT}: re-run it")
-    for read in (read_fingerprint, lambda d: check_fingerprint(d, FP), lambda d: rundir.fingerprint_task(d)):
+    for read in (read_fingerprint, lambda d: check_fingerprint(d, FP), fingerprint_task):
         with pytest.raises(RunDirError) as e:
             read(tmp_path)
         assert str(e.value).startswith(want) and "\n" not in str(e.value)

@@ -176,7 +176,8 @@ def test_a_graph_swapped_for_another_exports_is_refused_at_load(exported, tmp_pa
 def test_a_fixed_depth_past_the_steps_is_refused_at_export_and_evaluate(sparse, tmp_path):
     from learn2stop.core.deploy import deployed_rule
     from learn2stop.tasks.sparse.app import APP, PRESETS, SparseConfig
-    from learn2stop.utils.config import ConfigError, resolve
+    from learn2stop.utils.config import ConfigError
+    from learn2stop.utils.config_files import resolve
 
     sm, y = sparse
     with pytest.raises(ExportError, match=r"inference.param: a fixed depth must be in 1..7 \(the model's steps\); got 99"):

@@ -113,7 +113,8 @@ def test_an_existing_file_is_replaced_only_if_it_is_ours(tmp_path):
         check_output_file(tmp_path, "out")
     with pytest.raises(OutputError, match="names no file"):
         check_output_file("/", "out")
-    with pytest.raises(OutputError, match="longer than"):
+    with pytest.raises(OutputError, match=r"^out: .* cannot be written: the name 'x+\.\.\.' is 300 bytes; this file "
+                                          r"system holds names of at most \d+$"):
         check_output_file(tmp_path / ("x" * 300), "out")
     with pytest.raises(OutputError, match=r"out: .*notes.json/a.json cannot be written: .*notes.json is a file"):
         check_output_file(mine / "a.json", "out")

@@ -10,7 +10,7 @@ import torch
 from learn2stop.core.loop import run_with_early_exit, unroll
 from learn2stop.core.rules import SIGNALS, SignalRule, first_crossing, make_signal, signal_trace
 from learn2stop.tasks.base import get_task, list_tasks
-from learn2stop.utils.config import resolve
+from learn2stop.utils.config_files import resolve
 
 CASES = [(t, p) for t in list_tasks() for p in get_task(t).presets]
 

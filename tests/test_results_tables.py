@@ -84,7 +84,7 @@ def test_a_run_directory_without_in_time_is_refused_naming_the_file(tmp_path):
     run.mkdir()
     (run / "fingerprint.json").write_text(json.dumps({"task": "sparse", "fields": {}}), encoding="utf-8")
     from learn2stop.tasks.sparse import preset
-    from learn2stop.utils.config import save_yaml
+    from learn2stop.utils.config_files import save_yaml
 
     save_yaml(preset("quick"), run / "config.yaml")
     with pytest.raises(results.RecordError, match=r"in_time\.json is missing"):

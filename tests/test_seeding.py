@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from learn2stop.tasks.base import get_task
-from learn2stop.utils.config import resolve
+from learn2stop.utils.config_files import resolve
 from learn2stop.utils.seeding import derive_seed, drawing_from
 
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..utils.config import save_yaml, to_dict
+from ..utils.config import to_dict
+from ..utils.config_files import save_yaml
 from ..utils.distributed import DistContext
 from ..utils.registry import Registry
 
@@ -122,8 +123,10 @@ class RunContext:
         a training command first moves an existing run's files aside into ``previous-<time>/``.
         """
         from ..utils.checkpoint import clean_stale_temp_files
-        from ..utils.rundir import (RunDirError, RunLock, check_fingerprint, fingerprint_task, keep_trained_values,
-                                    move_aside, prepare_run_dir, read_fingerprint, write_fingerprint)
+        from ..utils.fingerprint import (check_fingerprint, fingerprint_task, keep_trained_values, read_fingerprint,
+                                         write_fingerprint)
+        from ..utils.rundir import RunDirError, move_aside, prepare_run_dir
+        from ..utils.runlock import RunLock
 
         if getattr(self, "_prepared", None) is not None:
             return  # a command calling another (reproduce -> train) prepares once

@@ -11,7 +11,8 @@ data, and a bad one is refused with one line naming the user's argument, the pat
 - an existing file is replaced only if the command says it is one of its own earlier outputs, and an
   existing non-empty folder only if it is a complete earlier output of ours (the command's check: for an
   export, every file its manifest lists, with a matching checksum, and nothing else);
-- its name is valid and the nearest existing folder above it takes new files (tried, not guessed from
+- its name is valid (no part, and not the whole, longer than the file system holds: :mod:`~learn2stop.utils.paths`)
+  and the nearest existing folder above it takes new files (tried, not guessed from
   permission bits: root passes those on a read-only or immutable folder and on ``/proc``).
 
 What is replaced is kept beside the new output (:func:`previous_path`: ``calibration.previous.json``,
@@ -36,15 +37,15 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from .config import ConfigError
+from .paths import name_problem, shown_path
 
-#: the names of a run directory's records (files and folders its commands read; see utils.rundir)
+#: the names of a run directory's records (files and folders its commands read; see utils.rundir and utils.fingerprint)
 RUN_RECORDS = frozenset({".lock", "config.yaml", "fingerprint.json", "metrics.jsonl", "training_summary.json",
                          "calibration.json", "calibration.previous.json", "deployment.json", "checkpoints"})
 #: record names by prefix: ``config.<command>.yaml`` of a reading command, ``previous-<stamp>/`` of --no-resume
 RUN_RECORD_PREFIXES = ("config.", "previous-")
 RUN_MARKER = "fingerprint.json"  # a folder holding one is a run directory
 PREVIOUS_SUFFIX = ".previous"
-NAME_MAX = 255  # bytes in one file name (Linux, macOS and Windows file systems alike)
 
 #: says why an existing output is not one of ours (None: it is, and may be replaced)
 Ours = Callable[[Path], "str | None"]
@@ -138,11 +139,9 @@ def _place(path: str | os.PathLike, arg: str, run_dirs: Iterable[str | os.PathLi
     text = os.fspath(path) if path is not None else ""
     if not text or "\0" in text:
         raise OutputError(f"{arg}: give a path to write to; got {text!r}")
-    too_long = next((x for x in Path(os.path.abspath(Path(text).expanduser())).parts
-                     if len(os.fsencode(x)) > NAME_MAX), None)  # first: a stat of such a path raises
-    if too_long is not None:
-        raise OutputError(f"{arg}: {text[:60]}... cannot be written: the name {too_long[:20]}... is longer than "
-                          f"{NAME_MAX} bytes")
+    problem = name_problem(text)  # first: a stat of such a path raises
+    if problem is not None:
+        raise OutputError(f"{arg}: {shown_path(text)} cannot be written: {problem}")
     p = _absolute(text)
     if not p.name or p.name in (".", ".."):
         raise OutputError(f"{arg}: {text} names no file or folder; give a name")
@@ -214,9 +213,10 @@ def check_output_folder(path: str | os.PathLike, arg: str, ours: Ours, *, run_di
 
 
 def _check_previous(prev: Path, arg: str, ours: Ours, what: str) -> None:
-    if len(os.fsencode(prev.name)) > NAME_MAX:
-        raise OutputError(f"{arg}: the earlier {what} cannot be kept beside the new one: the name {prev.name[:20]}... "
-                          f"is longer than {NAME_MAX} bytes; give a shorter name")
+    problem = name_problem(prev)
+    if problem is not None:
+        raise OutputError(f"{arg}: the earlier {what} cannot be kept beside the new one as {shown_path(prev)}: "
+                          f"{problem}; give a shorter name")
     if not prev.exists() and not prev.is_symlink():
         return
     if prev.is_symlink() or not prev.is_dir():

@@ -11,7 +11,8 @@ from typing import Any, ClassVar
 
 from ...core import InferenceConfig, MethodConfig, StageConfig
 from ...core.objectives import stage_field
-from ...utils.config import int_at_least, ints_at_least, non_negative, one_of, positive, preset_config, require
+from ...utils.config import int_at_least, ints_at_least, non_negative, one_of, positive, require
+from ...utils.config_files import preset_config
 
 
 @dataclass

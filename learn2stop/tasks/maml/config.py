@@ -7,7 +7,8 @@ from typing import Any, ClassVar
 
 from ...core import InferenceConfig, MethodConfig, StageConfig
 from ...core.objectives import stage_field
-from ...utils.config import ints_at_least, non_negative, one_of, positive, preset_config, require
+from ...utils.config import ints_at_least, non_negative, one_of, positive, require
+from ...utils.config_files import preset_config
 from .learner import NETWORKS
 from .policy import MAMLStopPolicy
 

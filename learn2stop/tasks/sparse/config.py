@@ -7,7 +7,8 @@ from typing import Any, ClassVar
 from ...core import InferenceConfig, MethodConfig, StageConfig
 from ...runtime.registry import get_rule
 from ...core.objectives import stage_field
-from ...utils.config import ints_at_least, merge, non_empty, one_of, positive, positive_int, preset_config, require
+from ...utils.config import ints_at_least, merge, non_empty, one_of, positive, positive_int, require
+from ...utils.config_files import preset_config
 
 
 @dataclass

@@ -154,7 +154,8 @@ def test_a_run_no_threshold_of_which_keeps_the_baselines_accuracy_deploys_the_ne
     from learn2stop.core import deploy, train
     from learn2stop.tasks.base import RunContext
     from learn2stop.tasks.classify import APP, ClassifyConfig
-    from learn2stop.utils.config import from_dict, load_yaml
+    from learn2stop.utils.config import from_dict
+    from learn2stop.utils.config_files import load_yaml
 
     run = tmp_path / "run"
     shutil.copytree(trained, run, ignore=shutil.ignore_patterns(".lock", "calibration.json", "deployment.json"))

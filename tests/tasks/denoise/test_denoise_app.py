@@ -19,7 +19,8 @@ from learn2stop.tasks.denoise.app import APP, denoise_files, evaluate, train
 from learn2stop.tasks.denoise.config import PRESETS, DenoiseAppConfig
 from learn2stop.tasks.denoise.data import load_test_images, load_training_images
 from learn2stop.utils.checkpoint import CheckpointError
-from learn2stop.utils.config import merge, resolve
+from learn2stop.utils.config import merge
+from learn2stop.utils.config_files import resolve
 
 TINY = {
     "data": {"synthetic_train": 10, "synthetic_test": 2, "synthetic_size": 32, "patch_size": 16, "stride": 8,

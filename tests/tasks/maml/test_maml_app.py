@@ -9,7 +9,8 @@ from conftest import shared_data
 from learn2stop.cli import main
 from learn2stop.tasks import get_task
 from learn2stop.tasks.maml.config import PRESETS, MAMLConfig
-from learn2stop.utils.config import ConfigError, resolve
+from learn2stop.utils.config import ConfigError
+from learn2stop.utils.config_files import resolve
 
 TINY = ["--maml.iterations", "4", "--stage1.iterations", "4", "--stage2.iterations", "4", "--posterior.iterations", "4",
         "--posterior.batch_size", "3", "--maml.batch_size", "3",

@@ -22,7 +22,8 @@ from learn2stop.tasks.maml.learner import MLP, MAMLModel
 from learn2stop.tasks.maml.models import AnsweringMAML, build, meta_learner
 from learn2stop.tasks.maml.policy import MAMLStopPolicy
 from learn2stop.tasks.maml.samplers import SinusoidSampler
-from learn2stop.utils.config import ConfigError, load_run_config
+from learn2stop.utils.config import ConfigError
+from learn2stop.utils.config_files import load_run_config
 
 from conftest import CountingPosterior
 

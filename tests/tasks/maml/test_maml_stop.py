@@ -81,7 +81,7 @@ def test_core_sampled_stage1_draws_from_the_oracle_and_recomputes_that_step():
 def test_stage1_graph_memory_stays_within_maml():
     """MAML-stop's training graph (recomputing only to t ~ q*) is no larger than 1.3x MAML's at equal T."""
     from learn2stop.tasks.maml.config import PRESETS, MAMLConfig
-    from learn2stop.utils.config import resolve
+    from learn2stop.utils.config_files import resolve
 
     # beta set on the stage itself: memory.py builds the objective from the stage's own config
     cfg = resolve(MAMLConfig, PRESETS["quick"], overrides={"maml": {"batch_size": 8}, "stage1": {"batch_size": 8, "beta": 0.05}})
