@@ -42,11 +42,14 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .core.calibration import Calibration, InferenceConfig
-from .core.loop import NEVER_STOP_LOGIT, check_stepwise
+from .core.calibration_file import Calibration
+from .core.inference import InferenceConfig
+from .core.policy_calls import NEVER_STOP_LOGIT
+from .core.steps import check_stepwise
 from .core.protocols import member
 from .core.trees import check_inputs
-from .core.rules import SIGNALS, DepthSignal
+from .core.signal_registry import SIGNALS
+from .core.signals import DepthSignal
 from .runtime.manifest import ManifestError, read_manifest, sha256_file
 from .runtime.registry import list_rules
 from .utils.config import ConfigError
@@ -411,7 +414,7 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
 # ----------------------------------------------------------------------------- the CLI command
 def export_command(app: Any, cfg: Any, run: Any, *, out: str | None, task: str = "custom") -> dict:
     """``learn2stop <task> export --run-dir R --out DIR``: the run's stop model and deployed rule as ONNX."""
-    from .core.calibration import load_calibration
+    from .core.calibration_file import load_calibration
     from .core.task import require_trained
     from .core.train import load_stage
     from .core.deploy import served_baseline

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..core.calibration import InferenceConfig
+from ..core.inference import InferenceConfig
 from ..core.model import StoppingModel
 from ..export import export_stop_model
 

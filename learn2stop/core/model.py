@@ -18,10 +18,14 @@ from torch import Tensor, nn
 from ..utils.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..utils.config import ConfigError
 from ..utils.report import write_json
-from .calibration import Calibration, InferenceConfig
+from .calibration_file import Calibration
+from .inference import InferenceConfig
 from .distributions import log_stop_time_distribution
-from .loop import Rollout, StopRule, check_rule, check_stepwise, run_with_early_exit, unroll
-from .rules import FixedDepth, PolicyRule
+from .loop import Rollout, run_with_early_exit, unroll
+from .steps import check_stepwise
+from .stop_rule import StopRule, check_rule
+from .policy_signals import PolicyRule
+from .rules import FixedDepth
 from .trees import batch_size, check_batch_first, check_inputs, tree_map
 
 PRETRAINED_FORMAT = "learn2stop-pretrained"

@@ -12,12 +12,14 @@ import torch
 from ..runtime.registry import get_rule, list_rules
 from ..utils.config import ConfigError
 from ..utils.distributed import DistContext
-from .calibration import (Calibration, InferenceConfig, policy_rules)
+from .calibration_file import Calibration
+from .inference import InferenceConfig, policy_rules
 from .trace import Metric, Trace, collect_trace
 from .model import StoppingModel
 from .trees import tree_cat, tree_leaves
 from .objectives import MethodConfig, StageConfig
-from .rules import SIGNALS, StopSignal, make_signal
+from .signal_registry import SIGNALS, make_signal
+from .signals import StopSignal
 
 
 

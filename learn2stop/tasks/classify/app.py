@@ -26,7 +26,9 @@ from ...core.loop import run_with_early_exit
 from ...core.task import Stage, StoppingApp, check_config, stop_model_trace
 from ...core.deploy import deployed_model, deployed_rule, served_baseline
 from ...core.train import load_stage
-from ...core.rules import SIGNALS, ConfidenceSignal, EntropySignal, PatienceSignal, first_crossing, reads_at_stop_alone
+from ...core.rules import first_crossing, reads_at_stop_alone
+from ...core.signal_registry import SIGNALS
+from ...core.signals import ConfidenceSignal, EntropySignal, PatienceSignal
 from ...core.calibration import calibrate_budget
 from ...core.policies import ExitPolicy
 from ...utils.config import ConfigError

@@ -25,7 +25,7 @@ from ...core.trace import collect_trace, evaluate_rule
 from ...core.task import Stage, StoppingApp, check_config
 from ...core.deploy import deployed_model, deployed_rule
 from ...core.train import load_stage, min_step_hook
-from ...core.rules import ToleranceSignal
+from ...core.signals import ToleranceSignal
 from ...utils.config import ConfigError, to_dict
 from ...utils.outputs import check_output_file, json_output, writing
 from ...utils.report import write_json

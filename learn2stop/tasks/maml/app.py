@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from ...core import InferenceConfig, MethodConfig, Metric, StageConfig, StoppingModel, ToleranceSignal
 from ...core.trace import collect_trace, evaluate_rule
 from ...core.objectives import stage_field
-from ...core.rules import FixedDepth, PatienceSignal
+from ...core.rules import FixedDepth
+from ...core.signals import PatienceSignal
 from ...core.task import Stage, StoppingApp, check_config, signal_key
 from ...core.deploy import deployed_rule
 from ...core.train import load_stage

@@ -22,7 +22,7 @@ from ...core.loop import unroll
 from ...core.task import Stage, StoppingApp, check_config, stop_model_trace
 from ...core.deploy import deployed_rule
 from ...core.train import load_stage, min_step_hook
-from ...core.rules import ToleranceSignal
+from ...core.signals import ToleranceSignal
 from ...utils.config import to_dict
 from ...utils.report import write_json
 from ...utils.seeding import drawing_from
