@@ -57,9 +57,8 @@ class InferenceConfig:
         require(isinstance(self.param, (int, float)) and not isinstance(self.param, bool) and math.isfinite(self.param),
                 "inference.param", f"must be a finite number; got {self.param!r}")
         check_param(self.rule, self.param, "inference.param")
-        for name in ("sampled", "use_calibrated"):
-            require(isinstance(getattr(self, name), bool), f"inference.{name}",
-                    f"must be true or false; got {getattr(self, name)!r}")
+        for name, value in (("sampled", self.sampled), ("use_calibrated", self.use_calibrated)):
+            require(isinstance(value, bool), f"inference.{name}", f"must be true or false; got {value!r}")
         require(isinstance(self.serve_batch, int) and not isinstance(self.serve_batch, bool) and self.serve_batch >= 1,
                 "inference.serve_batch", f"must be an integer >= 1; got {self.serve_batch!r}")
 

@@ -35,7 +35,8 @@ from torch import Tensor, nn
 
 from .policy_calls import (NEVER_STOP_LOGIT, check_replan_step, planned_logits, policy_logits, replan_log_q)
 from .protocols import member
-from .steps import check_stepwise, first_call, read_out, take_step
+from .shrinking_batch import ShrinkingBatch, nan_scores_error
+from .steps import check_model_inputs, check_stepwise, first_call, take_step
 from .stop_rule import Plan, StepView, StopRule, as_stop_rule
 from .trees import batch_size, take_rows, tree_detach, tree_leaves, tree_map, tree_select, tree_zip_apply, tree_zip_map
 
@@ -111,6 +112,7 @@ def unroll(
         A :class:`Rollout` whose ``outputs`` are the outputs at step T.
     """
     check_stepwise(model)
+    check_model_inputs(model, inputs)
     T = model.num_steps
     B = batch_size(inputs)
     losses, logits, outs = [], [], []
@@ -172,7 +174,8 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule | Callable[[Step
     rows stop. So full depth costs the network alone plus the loop, not every exit head (the exported graphs
     skip them alike: :mod:`learn2stop.export`).
 
-    Inputs are not checked here (this is the hot path): :class:`StoppingModel` checks them once.
+    Inputs are checked once, here, before the first step (:func:`~learn2stop.core.steps.check_model_inputs`), never
+    inside the loop; a policy's NaN stop logits are refused in the host synchronisation a step makes anyway.
 
     Args:
         model: a step-wise model.
@@ -187,6 +190,8 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule | Callable[[Step
         A :class:`Rollout`; ``outputs`` is in input order.
     """
     rule = as_stop_rule(rule)
+    check_stepwise(model)
+    check_model_inputs(model, inputs)
     if compact_every is not None and rule.plan_step is None:
         if record_probs:
             raise ValueError("record_probs=True is not available in device mode (compact_every)")
@@ -194,7 +199,7 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule | Callable[[Step
     check_stepwise(model)
     T = model.num_steps
     check_replan_step(rule.plan_step, rule.replan_step, T)
-    run = _ShrinkingBatch(model, inputs, T)
+    run = ShrinkingBatch(model, inputs, T)
     if record_probs:
         rule = _RecordingProbs(rule, run.B, T, run.active.device)
     asks, reads = rule.ask_steps(T), rule.read_steps(T)  # (and the model is read out where planned rows stop)
@@ -214,92 +219,12 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule | Callable[[Step
             if isinstance(answer, Plan):
                 running, output = run.follow(answer, output, t)
             else:
-                output = run.stop_rows(answer, output, t)
+                output = run.stop_rows(answer, output, t, rule.last_invalid)
         if run.done:
             break
         previous = output if t + 1 in asks else None  # what the rule reads as previous_output next step
     extras = {"stop_probs": rule.probs} if record_probs else {}
     return Rollout(outputs=run.result, stop_times=run.stop_times, num_steps=T, extras=extras)
-
-
-class _ShrinkingBatch:
-    """The rows still running of one early-exit rollout (their state, inputs and original positions), and the
-    result the stopped rows are written into, in input order."""
-
-    def __init__(self, model: Any, inputs: Any, T: int):
-        self.model, self.inputs, self.T = model, inputs, T
-        self.B = batch_size(inputs)
-        self.state = first_call(model.initial_state, model, inputs)
-        leaves = tree_leaves(self.state)
-        device = leaves[0].device if leaves else tree_leaves(inputs)[0].device
-        self.active = torch.arange(self.B, device=device)  # (B_active,) original rows of the running samples
-        self.stop_times = torch.full((self.B,), T, dtype=torch.long, device=device)
-        self.result = None  # preallocated on the first write: stopped rows go straight to their place
-        self.done = False  # every row has stopped
-
-    def step(self, t: int, read: bool) -> Any:
-        self.state, output = take_step(self.model, t, self.state, self.inputs, read=read)
-        return output
-
-    def finish(self, rows: slice | Tensor, output: Any, t: int) -> Any:
-        """Write the running rows ``rows`` at their stop step t; ``output`` None (planned: a step the plan does not
-        read): the running rows are read out here first, all of them, so that each row's output is the value it had
-        when every step was read out (a batched readout can round a row otherwise with other rows around it: sampled
-        Stage I trains through this). Returns the output."""
-        if output is None:
-            output = read_out(self.model, t, self.state, self.inputs)
-        if self.result is None:
-            self.result = tree_map(lambda x: x.new_empty((self.B, *x.shape[1:])) if x.dim() > 0 else x, output)
-        idx = self.active[rows]
-        tree_zip_apply(lambda dst, src: dst.index_copy_(0, idx, take_rows(src, rows)), self.result, output)
-        if t < self.T:
-            self.stop_times[idx] = t
-        return output
-
-    def _select(self, rows: slice | Tensor, *trees: Any) -> list[Any]:
-        """Keep the running rows ``rows`` (a slice, or integer positions); ``trees`` follow them."""
-        self.active, self.state, self.inputs = self.active[rows], tree_select(self.state, rows), tree_select(self.inputs, rows)
-        return [None if x is None else tree_select(x, rows) for x in trees]
-
-    def keep_leading(self, k: int, output: Any, t: int, previous: Any) -> tuple[Any, Any]:
-        """After a plan: the rows past the first k (the shallowest planned) stop at t; the first k go on."""
-        n = self.active.numel()
-        if k < n:
-            output = self.finish(slice(k, n), output, t)
-            self.done = k == 0
-            output, previous = self._select(slice(0, k), output, previous)
-        return output, previous
-
-    def follow(self, plan: Plan, output: Any, t: int) -> tuple[list[int], Any]:
-        """Sort the running rows (and the output) as ``plan`` orders them, then stop those it stops at t; the plan's
-        counts, and the output of the rows going on."""
-        if plan.order is not None:
-            same = output is self.state  # a readout that is the state itself (LISTA's x_t): one gather, not two
-            self._select(plan.order)
-            output = None if output is None else self.state if same else tree_select(output, plan.order)
-        output, _ = self.keep_leading(plan.running[t], output, t, None)
-        return plan.running, output
-
-    def stop_rows(self, stop: Tensor, output: Any, t: int) -> Any:
-        """A per-step rule's (B_active,) bool answer: write the rows that stop at t, keep the others (in order)."""
-        n = self.active.numel()
-        if stop.shape != (n,) or stop.dtype != torch.bool:
-            raise ValueError(f"a stop rule must return a bool tensor of shape ({n},); got {stop.dtype} {tuple(stop.shape)}")
-        if n == 1:  # batch of one: a stop simply ends the loop
-            if bool(stop):
-                self.finish(slice(None), output, t)
-                self.done = True
-            return output
-        # One host synchronisation (the count); rows are then moved with integer indices, which need
-        # none: a stable sort puts the continuing rows first, in order, then the stopped ones.
-        n_stop = int(stop.sum())
-        if n_stop:
-            order = torch.argsort(stop.to(torch.int8), stable=True)
-            self.finish(order[n - n_stop:], output, t)
-            self.done = n_stop == n
-            if not self.done:
-                output, = self._select(order[:n - n_stop], output)
-        return output
 
 
 class _RecordingProbs(StopRule):
@@ -314,6 +239,7 @@ class _RecordingProbs(StopRule):
 
     def __call__(self, view: StepView) -> Tensor:
         stop = self.rule.decide(view)
+        self.last_invalid = self.rule.last_invalid
         reported = self.rule.last_probs
         if reported is None:
             raise ValueError("record_probs=True needs a rule that reports stop probabilities (PolicyRule)")
@@ -343,6 +269,7 @@ def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int
     active = torch.arange(B, device=device)
     stop_times = torch.full((B,), T, dtype=torch.long, device=device)
     result, held, done, times = None, None, None, None  # held: (B_active, ...) outputs of stopped rows
+    nan_at = None  # () the first step a policy's score was NaN (0: none), read with the compaction's count
 
     def flush(rows: Tensor | slice, out: Any) -> None:
         nonlocal result
@@ -357,12 +284,17 @@ def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int
         if done is not None:  # rows already stopped keep the output of their stop step
             output = tree_zip_map(lambda h, o: torch.where(done.view(-1, *([1] * (o.dim() - 1))), h, o), held, output)
         if t == T:
+            if nan_at is not None and int(nan_at):  # the steps since the last compaction (one sync per rollout)
+                raise nan_scores_error(int(nan_at))
             flush(slice(None), output)
             if times is not None:
                 stop_times[active] = torch.where(done, times, stop_times[active])
             break
         if t >= first:
             stop = rule(StepView(t, T, inputs, output, previous, state, active))
+            if rule.last_invalid is not None:
+                step = torch.where(rule.last_invalid.any(), t, 0)
+                nan_at = step if nan_at is None else torch.where(nan_at > 0, nan_at, step)
             if done is None:
                 done, times = torch.zeros_like(stop), torch.full_like(active, T)
             times = torch.where(stop & ~done, torch.full_like(times, t), times)
@@ -370,7 +302,12 @@ def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int
             held = output
         previous = output
         if done is not None and t % compact_every == 0:
-            n_done = int(done.sum())  # the one host synchronisation of this stretch
+            if nan_at is None:
+                n_done = int(done.sum())  # the one host synchronisation of this stretch
+            else:
+                n_done, first_nan = torch.stack([done.sum(), nan_at]).tolist()
+                if first_nan:
+                    raise nan_scores_error(first_nan)
             if n_done:
                 gone, keep = done.nonzero().squeeze(1), (~done).nonzero().squeeze(1)
                 flush(gone, output)

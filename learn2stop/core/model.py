@@ -26,7 +26,7 @@ from .steps import check_stepwise
 from .stop_rule import StopRule, check_rule
 from .policy_signals import PolicyRule
 from .rules import FixedDepth
-from .trees import batch_size, check_batch_first, check_inputs, tree_map
+from .trees import batch_size, tree_map
 
 PRETRAINED_FORMAT = "learn2stop-pretrained"
 #: the version of the folder :meth:`StoppingModel.save_pretrained` writes; another version is refused
@@ -60,8 +60,6 @@ class StoppingModel(nn.Module):
     def unroll(self, inputs: Any, target: Any = None, loss_fn=None, *, use_policy: bool = True,
                model_grad: bool = True, keep_outputs: bool = False, grad_steps=None) -> Rollout:
         """Full-depth rollout recording per-step losses and stop logits (see :func:`unroll`)."""
-        check_inputs(inputs)
-        check_batch_first(inputs)
         if target is not None and batch_size(target) != batch_size(inputs):
             raise ValueError(f"target has batch size {batch_size(target)} but the inputs have {batch_size(inputs)}")
         return unroll(self.model, inputs, target=target, loss_fn=loss_fn,
@@ -97,9 +95,7 @@ class StoppingModel(nn.Module):
                 rule = FixedDepth()
             else:
                 rule = InferenceConfig().make_rule(self.policy, generator)
-        check_inputs(inputs)
-        check_batch_first(inputs)
-        check_rule(rule)
+        check_rule(rule)  # the inputs are checked by the loop, once
         with torch.inference_mode(not grad):
             return run_with_early_exit(self.model, inputs, rule, record_probs=record_probs, compact_every=compact_every)
 

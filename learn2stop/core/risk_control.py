@@ -79,6 +79,12 @@ def calibrate_risk(scores: Tensor, risk_losses: Tensor, epsilon: float, delta: f
               and all(isinstance(v, (int, float)) and math.isfinite(v) for v in loss_range) and loss_range[0] < loss_range[1])
         if not ok:
             raise ValueError(f"loss_range: expected two finite numbers (a, b) with a < b; got {loss_range!r}")
+        low, high = float(risk_losses.min()), float(risk_losses.max())
+        if low < loss_range[0] or high > loss_range[1]:
+            raise ValueError(f"risk_losses: a loss of {low if low < loss_range[0] else high:g} lies outside the declared "
+                             f"loss_range ({loss_range[0]:g}, {loss_range[1]:g}); the Hoeffding-Bentkus p-value holds for "
+                             f"losses in that range only: declare the range the losses really have, or pass "
+                             f"loss_range=None (the CLT p-value)")
     costs = costs if costs is not None else torch.arange(1, T + 1, dtype=torch.float32) / T
     cand = candidate_thresholds(scores, max_candidates).flip(0)  # +inf (full depth) first, then ever more aggressive
     chosen, tested = None, 0

@@ -62,6 +62,8 @@ class SignalRule(StopRule):
         score = self.signal(view)
         if self.signal.reports_probs:
             self.last_probs = score
+        if self.signal.needs_policy:
+            self.last_invalid = torch.isnan(score)
         return score >= self.threshold
 
 

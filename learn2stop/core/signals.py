@@ -157,35 +157,49 @@ class ToleranceSignal(StopsBelow, _Keyed):
         return -(flat - before).norm(dim=1) / flat.norm(dim=1).clamp_min(1e-12)
 
 
+class _ClassLogits(_Keyed):
+    """A signal that reads a classifier's (batch, classes) logits; anything else (a regressor's output, an image) is
+    refused at the signal's first step of each rollout, with what it got."""
+
+    def logits(self, view: StepView) -> Tensor:
+        x = _leaf(view.output, self.key)
+        if view.t == self.first_step and not (x.dim() == 2 and x.shape[1] >= 2 and x.is_floating_point()):
+            where = "" if self.key is None else f" (key {self.key!r})"
+            raise ValueError(f"the {self.name!r} rule reads a classifier's (batch, classes) logits, and the model's "
+                             f"output{where} is a {x.dtype} tensor of shape {tuple(x.shape)}: use a rule that does "
+                             f"not need classes (tolerance, fixed, or a policy rule)")
+        return x
+
+
 @register_signal
-class ConfidenceSignal(_Keyed):
+class ConfidenceSignal(_ClassLogits):
     """Max softmax probability of a classifier's logits (SDN's exit rule)."""
 
     name = "confidence"
 
     def __call__(self, view: StepView) -> Tensor:
-        return torch.softmax(_leaf(view.output, self.key).float(), dim=-1).amax(dim=-1)
+        return torch.softmax(self.logits(view).float(), dim=-1).amax(dim=-1)
 
 
 @register_signal
-class EntropySignal(StopsBelow, _Keyed):
+class EntropySignal(StopsBelow, _ClassLogits):
     """Minus the entropy of the softmax (BranchyNet's rule); the parameter is the entropy bound."""
 
     name = "entropy"
 
     def __call__(self, view: StepView) -> Tensor:
-        logp = torch.log_softmax(_leaf(view.output, self.key).float(), dim=-1)
+        logp = torch.log_softmax(self.logits(view).float(), dim=-1)
         return (logp.exp() * logp).sum(dim=-1)
 
 
 @register_signal
-class PatienceSignal(StatefulSignal, _Keyed):
+class PatienceSignal(StatefulSignal, _ClassLogits):
     """How many exits in a row the predicted class has stayed the same (PABEE); parameter: patience k."""
 
     name = "patience"
 
     def __call__(self, view: StepView) -> Tensor:
-        pred = _leaf(view.output, self.key).argmax(dim=-1)
+        pred = self.logits(view).argmax(dim=-1)
         mem = self._state(view, lambda n: torch.full((n, 2), -1.0, device=pred.device))  # (last class, run length)
         rows = mem[view.index]
         same = rows[:, 0] == pred.float()

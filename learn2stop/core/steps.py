@@ -8,8 +8,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
-from .trees import tree_leaves
+from .trees import batch_size, check_batch_first, check_inputs, tree_leaves
 
 
 def check_stepwise(model: Any) -> None:
@@ -20,6 +21,22 @@ def check_stepwise(model: Any) -> None:
     if not isinstance(model.num_steps, int) or model.num_steps < 1:
         raise ValueError(f"{type(model).__name__}.num_steps must be an integer >= 1; got {model.num_steps!r}")
 
+
+
+def check_model_inputs(model: Any, inputs: Any) -> None:
+    """Refuse inputs the loop cannot drive, once per rollout at the public entry points (never per step), with one
+    message naming the problem: no tensor at all, a lone tensor without a batch dimension, leaves of different batch
+    sizes or an empty batch, floating inputs of another dtype than the model's floating parameters, NaN or inf."""
+    check_inputs(inputs)
+    check_batch_first(inputs)
+    batch_size(inputs)
+    if isinstance(model, nn.Module):
+        param = next((p for p in model.parameters() if p.is_floating_point()), None)
+        wrong = sorted({str(x.dtype) for x in tree_leaves(inputs) if x.is_floating_point() and x.dtype != param.dtype}) \
+            if param is not None else []
+        if wrong:
+            raise ValueError(f"inputs of dtype {', '.join(wrong)} do not match {type(model).__name__}'s parameters "
+                             f"(dtype {param.dtype}): convert them first, e.g. x.to({param.dtype})")
 
 def take_step(model: Any, t: int, state: Any, inputs: Any, readout_grad: bool = True, read: bool = True) -> tuple[Any, Any]:
     """(state, output) of step t (``read=False``: output None, not read out); the first step's shape or dtype

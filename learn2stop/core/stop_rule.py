@@ -72,6 +72,9 @@ class StopRule:
     reads_previous: bool = True
     #: the (B_active,) stop probabilities of the last ``__call__``, for a rule that has them (``record_probs``)
     last_probs: Tensor | None = None
+    #: the (B_active,) bool rows whose score was NaN at the last ``__call__`` (a policy returning NaN stop logits,
+    #: which would never stop them), for a rule that can tell: the loop refuses them in the host sync it makes anyway
+    last_invalid: Tensor | None = None
 
     def __call__(self, view: StepView) -> Tensor:
         raise NotImplementedError

@@ -36,6 +36,7 @@ from .fastpath import flush_denormals_
 from .inference import InferenceConfig
 from .model import StoppingModel
 from .objectives import NonFiniteError, StageConfig, StageObjective
+from .protocols import member
 from .stage_checkpoints import WeightAverage, check_stage_name, check_writable, same_stage_config
 from .trees import tree_map
 from .validation import validation_scores
@@ -52,7 +53,7 @@ class TrainingTask(Protocol):
 def stage_loss_fn(task: Any, cfg: StageConfig):
     """The per-sample loss a stage's objective weighs: the task's ``stop_loss_fn`` for Stage II (when it has
     one), else its ``loss_fn``."""
-    stop = getattr(task, "stop_loss_fn", None)
+    stop = member(task, "stop_loss_fn")
     return stop if (stop is not None and cfg.objective == "stage2") else task.loss_fn
 
 
@@ -85,6 +86,7 @@ class StagedTrainer:
         self.progress = progress
         self.resume = resume
         self.ckpt_dir = self.run_dir / "checkpoints"
+        self._user_flags: list[tuple[nn.Parameter, bool]] = []  # each parameter's requires_grad before the stage
         if self.ctx.is_main:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
 
@@ -96,7 +98,8 @@ class StagedTrainer:
     def _trainable(self, cfg: StageConfig) -> list[nn.Parameter]:
         """The stage's parameters (those of its trained parts the user has not frozen), the only ones left with
         ``requires_grad``; the user's own flags come back after the stage (:meth:`_restore_flags`)."""
-        parts = [getattr(self.sm, name) for name in TRAINED_PARTS[cfg.trains]]
+        modules = {"model": self.sm.model, "policy": self.sm.policy}
+        parts = [modules[name] for name in TRAINED_PARTS[cfg.trains]]
         if any(p is None for p in parts):
             raise ValueError(f"stage objective {cfg.objective!r} trains the policy, but the StoppingModel has none")
         self._user_flags = [(p, p.requires_grad) for p in self.sm.parameters()]
@@ -115,7 +118,7 @@ class StagedTrainer:
 
     def _restore_flags(self) -> None:
         """Give every parameter back the ``requires_grad`` it had before the stage."""
-        for p, wants in getattr(self, "_user_flags", ()):
+        for p, wants in self._user_flags:
             p.requires_grad_(wants)
 
     def _set_modes(self, cfg: StageConfig) -> None:
