@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from .policy_calls import (NEVER_STOP_LOGIT, check_replan_step, planned_logits, policy_logits, replan_log_q)
 from .protocols import member
-from .shrinking_batch import ShrinkingBatch, nan_scores_error
+from .shrinking_batch import ShrinkingBatch
 from .steps import check_model_inputs, check_stepwise, first_call, take_step
 from .stop_rule import Plan, StepView, StopRule, as_stop_rule
 from .trees import batch_size, take_rows, tree_detach, tree_leaves, tree_map, tree_select, tree_zip_apply, tree_zip_map
@@ -175,7 +175,8 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule | Callable[[Step
     skip them alike: :mod:`learn2stop.export`).
 
     Inputs are checked once, here, before the first step (:func:`~learn2stop.core.steps.check_model_inputs`), never
-    inside the loop; a policy's NaN stop logits are refused in the host synchronisation a step makes anyway.
+    inside the loop; a policy's NaN stop logits (which would never stop a sample) are refused once, at the end of the
+    rollout (:meth:`~learn2stop.core.stop_rule.StopRule.nan_scores`: no work and no host sync at the steps).
 
     Args:
         model: a step-wise model.
@@ -196,7 +197,6 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule | Callable[[Step
         if record_probs:
             raise ValueError("record_probs=True is not available in device mode (compact_every)")
         return _run_device_mode(model, inputs, rule, compact_every)
-    check_stepwise(model)
     T = model.num_steps
     check_replan_step(rule.plan_step, rule.replan_step, T)
     run = ShrinkingBatch(model, inputs, T)
@@ -219,12 +219,23 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule | Callable[[Step
             if isinstance(answer, Plan):
                 running, output = run.follow(answer, output, t)
             else:
-                output = run.stop_rows(answer, output, t, rule.last_invalid)
+                output = run.stop_rows(answer, output, t)
         if run.done:
             break
         previous = output if t + 1 in asks else None  # what the rule reads as previous_output next step
+    refuse_nan_scores(rule)
     extras = {"stop_probs": rule.probs} if record_probs else {}
     return Rollout(outputs=run.result, stop_times=run.stop_times, num_steps=T, extras=extras)
+
+
+def refuse_nan_scores(rule: StopRule) -> None:
+    """Refuse, once at the end of a rollout, the NaN stop scores the rule saw (:meth:`StopRule.nan_scores`)."""
+    nan = rule.nan_scores()
+    if nan is not None:
+        t, rows, n = nan
+        raise ValueError(f"the stopping policy returned NaN stop logits at step {t} for {rows} of {n} running "
+                         f"sample(s); a NaN stop probability never stops a sample (it would run to the last step): "
+                         f"check the policy's weights and what it reads")
 
 
 class _RecordingProbs(StopRule):
@@ -239,12 +250,14 @@ class _RecordingProbs(StopRule):
 
     def __call__(self, view: StepView) -> Tensor:
         stop = self.rule.decide(view)
-        self.last_invalid = self.rule.last_invalid
         reported = self.rule.last_probs
         if reported is None:
             raise ValueError("record_probs=True needs a rule that reports stop probabilities (PolicyRule)")
         self.probs[view.index, view.t - 1] = reported.to(self.probs)
         return stop
+
+    def nan_scores(self) -> tuple[int, int, int] | None:
+        return self.rule.nan_scores()
 
 
 def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int) -> Rollout:
@@ -269,7 +282,6 @@ def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int
     active = torch.arange(B, device=device)
     stop_times = torch.full((B,), T, dtype=torch.long, device=device)
     result, held, done, times = None, None, None, None  # held: (B_active, ...) outputs of stopped rows
-    nan_at = None  # () the first step a policy's score was NaN (0: none), read with the compaction's count
 
     def flush(rows: Tensor | slice, out: Any) -> None:
         nonlocal result
@@ -284,17 +296,12 @@ def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int
         if done is not None:  # rows already stopped keep the output of their stop step
             output = tree_zip_map(lambda h, o: torch.where(done.view(-1, *([1] * (o.dim() - 1))), h, o), held, output)
         if t == T:
-            if nan_at is not None and int(nan_at):  # the steps since the last compaction (one sync per rollout)
-                raise nan_scores_error(int(nan_at))
             flush(slice(None), output)
             if times is not None:
                 stop_times[active] = torch.where(done, times, stop_times[active])
             break
         if t >= first:
             stop = rule(StepView(t, T, inputs, output, previous, state, active))
-            if rule.last_invalid is not None:
-                step = torch.where(rule.last_invalid.any(), t, 0)
-                nan_at = step if nan_at is None else torch.where(nan_at > 0, nan_at, step)
             if done is None:
                 done, times = torch.zeros_like(stop), torch.full_like(active, T)
             times = torch.where(stop & ~done, torch.full_like(times, t), times)
@@ -302,12 +309,7 @@ def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int
             held = output
         previous = output
         if done is not None and t % compact_every == 0:
-            if nan_at is None:
-                n_done = int(done.sum())  # the one host synchronisation of this stretch
-            else:
-                n_done, first_nan = torch.stack([done.sum(), nan_at]).tolist()
-                if first_nan:
-                    raise nan_scores_error(first_nan)
+            n_done = int(done.sum())  # the one host synchronisation of this stretch
             if n_done:
                 gone, keep = done.nonzero().squeeze(1), (~done).nonzero().squeeze(1)
                 flush(gone, output)
@@ -317,4 +319,5 @@ def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int
                 active, state, inputs = active[keep], tree_select(state, keep), tree_select(inputs, keep)
                 output, times = tree_select(output, keep), times[keep]
                 held, previous, done = output, output, done[keep]
+    refuse_nan_scores(rule)
     return Rollout(outputs=result, stop_times=stop_times, num_steps=T)

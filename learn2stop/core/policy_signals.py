@@ -198,7 +198,7 @@ class PolicyRule(SignalRule):
         if self.mode == "threshold":
             return super().__call__(view)
         p = self.last_probs = self.signal(view)
-        self.last_invalid = torch.isnan(p)
+        self.keep_scores(view.t, p)
         gen_device = self.generator.device if self.generator is not None else p.device
         return torch.rand(p.shape, generator=self.generator, device=gen_device).to(p.device) < p
 

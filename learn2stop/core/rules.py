@@ -38,6 +38,7 @@ class SignalRule(StopRule):
         if self.threshold == math.inf:  # never stops early: never asked
             self.first_step, self.plan_step, self.replan_step = 1 << 30, None, None
         self.last_probs: Tensor | None = None
+        self._asked: list[tuple[int, Tensor]] = []  # this rollout's policy scores by step, checked once at its end
 
     def plan(self, view: StepView) -> Tensor:
         """Stop times of a planning signal: the first crossing of its planned scores (or the signal's own
@@ -63,8 +64,24 @@ class SignalRule(StopRule):
         if self.signal.reports_probs:
             self.last_probs = score
         if self.signal.needs_policy:
-            self.last_invalid = torch.isnan(score)
+            self.keep_scores(view.t, score)
         return score >= self.threshold
+
+    def keep_scores(self, t: int, score: Tensor) -> None:
+        """Keep a policy's (B_active,) scores at step t for :meth:`nan_scores` (a reference: no computation here,
+        in the per-step path); the rule's first step starts a new rollout."""
+        if t <= self.first_step:
+            self._asked.clear()
+        self._asked.append((t, score.detach() if score.requires_grad else score))
+
+    def nan_scores(self) -> tuple[int, int, int] | None:
+        """The first step of the rollout just run whose policy scores were NaN, with how many of how many rows (one
+        host sync per rollout); None: none."""
+        asked, self._asked = self._asked, []
+        if not asked or not bool(torch.isnan(torch.cat([s for _, s in asked])).any()):
+            return None
+        t, score = next((t, s) for t, s in asked if bool(torch.isnan(s).any()))
+        return t, int(torch.isnan(score).sum()), score.numel()
 
 
 # ----------------------------------------------------------------------------- the basic rules

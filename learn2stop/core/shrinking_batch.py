@@ -70,25 +70,19 @@ class ShrinkingBatch:
         output, _ = self.keep_leading(plan.running[t], output, t, None)
         return plan.running, output
 
-    def stop_rows(self, stop: Tensor, output: Any, t: int, invalid: Tensor | None = None) -> Any:
-        """A per-step rule's (B_active,) bool answer: write the rows that stop at t, keep the others (in order).
-        ``invalid``: the rows whose score was NaN (the rule's ``last_invalid``), refused in the same host sync."""
+    def stop_rows(self, stop: Tensor, output: Any, t: int) -> Any:
+        """A per-step rule's (B_active,) bool answer: write the rows that stop at t, keep the others (in order)."""
         n = self.active.numel()
         if stop.shape != (n,) or stop.dtype != torch.bool:
             raise ValueError(f"a stop rule must return a bool tensor of shape ({n},); got {stop.dtype} {tuple(stop.shape)}")
-        # One host synchronisation (the count, and the NaN rows' with it); rows are then moved with integer
-        # indices, which need none: a stable sort puts the continuing rows first, in order, then the stopped ones.
-        if invalid is None:
-            n_stop = int(stop.sum()) if n > 1 else int(bool(stop))
-        else:
-            n_stop, n_bad = torch.stack([stop.sum(), invalid.sum()]).tolist()
-            if n_bad:
-                raise nan_scores_error(t, f"{n_bad} of {n}")
         if n == 1:  # batch of one: a stop simply ends the loop
-            if n_stop:
+            if bool(stop):
                 self.finish(slice(None), output, t)
                 self.done = True
             return output
+        # One host synchronisation (the count); rows are then moved with integer indices, which need
+        # none: a stable sort puts the continuing rows first, in order, then the stopped ones.
+        n_stop = int(stop.sum())
         if n_stop:
             order = torch.argsort(stop.to(torch.int8), stable=True)
             self.finish(order[n - n_stop:], output, t)
@@ -96,10 +90,3 @@ class ShrinkingBatch:
             if not self.done:
                 output, = self._select(order[:n - n_stop], output)
         return output
-
-
-def nan_scores_error(t: int, rows: str = "some") -> ValueError:
-    """The error for NaN stop scores at step t (of ``rows`` running samples): a NaN never stops a sample."""
-    return ValueError(f"the stopping policy returned NaN stop logits at step {t} for {rows} running sample(s); a NaN "
-                      f"stop probability never stops a sample (it would run to the last step): check the policy's "
-                      f"weights and what it reads")

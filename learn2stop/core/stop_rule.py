@@ -72,15 +72,18 @@ class StopRule:
     reads_previous: bool = True
     #: the (B_active,) stop probabilities of the last ``__call__``, for a rule that has them (``record_probs``)
     last_probs: Tensor | None = None
-    #: the (B_active,) bool rows whose score was NaN at the last ``__call__`` (a policy returning NaN stop logits,
-    #: which would never stop them), for a rule that can tell: the loop refuses them in the host sync it makes anyway
-    last_invalid: Tensor | None = None
 
     def __call__(self, view: StepView) -> Tensor:
         raise NotImplementedError
 
     def plan(self, view: StepView) -> Tensor:
         raise TypeError(f"{type(self).__name__} has a plan_step but no plan(view)")
+
+    def nan_scores(self) -> tuple[int, int, int] | None:
+        """Where the scores of the rollout just run were NaN, read once by the loop at its end: (step, rows, of how
+        many running), or None (none, or a rule that cannot tell). A NaN stop score never stops a sample (a policy's
+        NaN stop logits would run it to the last step silently); the loop refuses it."""
+        return None
 
     def replan(self, view: StepView) -> Tensor:
         raise TypeError(f"{type(self).__name__} has a replan_step but no replan(view)")
