@@ -72,7 +72,7 @@ class StoppingModel(nn.Module):
         """Inference that really stops.
 
         The rule is, in order: ``rule`` (any stop rule); the policy with ``mode`` ("threshold" / "sample") and
-        ``threshold`` if either is given; ``inference`` (an :class:`~learn2stop.core.calibration.InferenceConfig`);
+        ``threshold`` if either is given; ``inference`` (an :class:`~learn2stop.core.inference.InferenceConfig`);
         the model's ``calibration`` if it has one; else the rule the CLI and validation use by default (quantile,
         alpha 0.5). Without a policy (and no calibration): full depth. ``compact_every``: the device mode of
         :func:`run_with_early_exit` (no host synchronisation between compactions).

@@ -4,7 +4,7 @@ and what each one's absence means.
 Nothing needs to subclass anything (wrap, don't subclass): a model or a policy declares an optional member by having
 it, and every reader (the loop, the rules, calibration, the costs, the objectives, export and the backends) looks it
 up with :func:`member`, the one place that does, so a default is written here and nowhere else. A stop rule's
-optional members are those of :class:`~learn2stop.core.loop.StopRule`, with their defaults there.
+optional members are those of :class:`~learn2stop.core.stop_rule.StopRule`, with their defaults there.
 
 The model's optional members:
 

@@ -243,7 +243,7 @@ def calibrated_rule(app: StoppingApp, cfg: Any, sm: StoppingModel, cal: Calibrat
 
 def signal_key(app: StoppingApp, cfg: Any, rule: str) -> Any:
     """The part of the output a rule reads as the task builds it (:func:`rule_signal`; None: the default part), for
-    the rules built by name elsewhere (:func:`~learn2stop.core.calibration.active_rule`, ``InferenceConfig``)."""
+    the rules built by name elsewhere (:func:`~learn2stop.core.inference.active_rule`, ``InferenceConfig``)."""
     if SIGNALS[rule].needs_policy:
         return None
     return getattr(rule_signal(app, cfg, None, rule), "key", None)
