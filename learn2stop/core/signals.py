@@ -161,9 +161,13 @@ class _ClassLogits(_Keyed):
     """A signal that reads a classifier's (batch, classes) logits; anything else (a regressor's output, an image) is
     refused at the signal's first step of each rollout, with what it got."""
 
+    #: the scores must be floating logits (a softmax reads them); False: any class scores an argmax reads (one-hot)
+    needs_float = True
+
     def logits(self, view: StepView) -> Tensor:
         x = _leaf(view.output, self.key)
-        if view.t == self.first_step and not (x.dim() == 2 and x.shape[1] >= 2 and x.is_floating_point()):
+        if view.t == self.first_step and not (x.dim() == 2 and x.shape[1] >= 2
+                                              and (x.is_floating_point() or not self.needs_float)):
             where = "" if self.key is None else f" (key {self.key!r})"
             raise ValueError(f"the {self.name!r} rule reads a classifier's (batch, classes) logits, and the model's "
                              f"output{where} is a {x.dtype} tensor of shape {tuple(x.shape)}: use a rule that does "
@@ -194,9 +198,11 @@ class EntropySignal(StopsBelow, _ClassLogits):
 
 @register_signal
 class PatienceSignal(StatefulSignal, _ClassLogits):
-    """How many exits in a row the predicted class has stayed the same (PABEE); parameter: patience k."""
+    """How many exits in a row the predicted class has stayed the same (PABEE); parameter: patience k. It reads the
+    argmax of (batch, classes) scores: logits, or integer one-hot votes."""
 
     name = "patience"
+    needs_float = False
 
     def __call__(self, view: StepView) -> Tensor:
         pred = self.logits(view).argmax(dim=-1)

@@ -161,3 +161,12 @@ def test_calibrate_risk_refuses_losses_outside_the_declared_range():
         calibrate_risk(scores, losses, 0.2, 0.1, "threshold", loss_range=(0.0, 1.0))
     calibrate_risk(scores, losses, 0.2, 0.1, "threshold")  # no declared range: the CLT p-value takes any loss
 
+
+
+def test_patience_reads_integer_votes_and_the_softmax_rules_refuse_them():
+    votes = torch.nn.functional.one_hot(torch.tensor([[0, 1, 1], [2, 2, 2]]), 4)  # (B, T, classes) int64
+    outputs = [votes[:, t] for t in range(3)]
+    assert signal_trace(PatienceSignal(), outputs, votes).tolist() == [[0, 0], [0, 1]]
+    for signal in (ConfidenceSignal(), EntropySignal()):
+        with pytest.raises(ValueError, match=r"torch.int64 tensor of shape \(2, 4\)"):
+            signal_trace(signal, outputs, votes)
