@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from learn2stop.core.calibration import CalibrationTarget  # noqa: E402
+from learn2stop.core.calibration import CalibrationTarget
 from learn2stop.core.calibrate import calibrate_command
 from learn2stop.core.frontier import frontier_command  # noqa: E402
 from learn2stop.tasks.base import RunContext  # noqa: E402

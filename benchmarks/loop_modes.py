@@ -21,8 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _classify_run import stop_model  # noqa: E402
 
 from learn2stop.core.timing import measure_speed  # noqa: E402
-from learn2stop.core.loop import run_with_early_exit  # noqa: E402
-from learn2stop.core.rules import FixedDepth, SignalRule, make_signal  # noqa: E402
+from learn2stop.core.loop import run_with_early_exit
+from learn2stop.core.rules import FixedDepth, SignalRule
+from learn2stop.core.signal_registry import make_signal
 from learn2stop.tasks.classify.app import APP  # noqa: E402
 
 

@@ -32,11 +32,12 @@ from pathlib import Path
 
 import torch
 
-from learn2stop.core.calibration import policy_scores
+from learn2stop.core.inference import policy_scores
 from learn2stop.core.trace import collect_trace
 from learn2stop.core.loop import unroll
 from learn2stop.core.train import load_stage
-from learn2stop.core.rules import SIGNALS, first_crossing
+from learn2stop.core.signal_registry import SIGNALS
+from learn2stop.core.rules import first_crossing
 from learn2stop.tasks.maml import APP, MAMLConfig, preset
 from learn2stop.tasks.maml.models import meta_learner
 from learn2stop.utils.config_files import load_run_config

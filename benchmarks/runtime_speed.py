@@ -32,7 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from learn2stop.core.calibration import InferenceConfig, load_calibration
+from learn2stop.core.calibration_file import load_calibration
+from learn2stop.core.inference import InferenceConfig
 from learn2stop.core.loop import run_with_early_exit, unroll
 from learn2stop.core.model import StoppingModel
 from learn2stop.core.rules import StopAtTimes

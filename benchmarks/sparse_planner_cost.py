@@ -30,10 +30,12 @@ from pathlib import Path
 import torch
 
 from learn2stop.core.fastpath import NUMPY_MAX_BATCH, torch_only
-from learn2stop.core.loop import StepView, run_with_early_exit
+from learn2stop.core.loop import run_with_early_exit
+from learn2stop.core.stop_rule import StepView
 from learn2stop.core.train import load_stage
 from learn2stop.core.calibrate import shuffled
-from learn2stop.core.rules import FixedDepth, SignalRule, StopAtTimes, make_signal
+from learn2stop.core.rules import FixedDepth, SignalRule, StopAtTimes
+from learn2stop.core.signal_registry import make_signal
 from learn2stop.tasks.sparse.app import APP
 from learn2stop.tasks.sparse.config import SparseConfig
 from learn2stop.utils.config_files import load_run_config

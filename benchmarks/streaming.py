@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_speed import _rows, task_model, torch_rule  # noqa: E402
 
-from learn2stop.core.loop import run_with_early_exit  # noqa: E402
-from learn2stop.core.rules import FixedDepth  # noqa: E402
+from learn2stop.core.loop import run_with_early_exit
+from learn2stop.core.rules import FixedDepth
 from learn2stop.core.streaming import StreamingRunner  # noqa: E402
 from learn2stop.core.trees import batch_size, tree_map  # noqa: E402
 from learn2stop.utils.report import markdown_table  # noqa: E402

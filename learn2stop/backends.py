@@ -29,7 +29,8 @@ from .core.timing import BackendError
 from .core.loop import Rollout, run_with_early_exit
 from .core.protocols import member
 from .core.model import StoppingModel
-from .core.rules import FixedDepth, PolicyRule, SignalRule
+from .core.policy_signals import PolicyRule
+from .core.rules import FixedDepth, SignalRule
 from .core.streaming import StreamingRunner
 from .core.trees import batch_size, tree_cat, tree_leaves, tree_select
 

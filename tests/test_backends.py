@@ -7,8 +7,9 @@ import torch
 
 from learn2stop.backends import BACKENDS, BackendError, CompiledRunner, StreamRunner, make_runner, parse_backends
 from learn2stop.core.loop import run_with_early_exit
-from learn2stop.core.rules import (FixedDepth, PolicyRule, PriceSignal, QuantileSignal, SignalRule, StopAtTimes,
-                                   ToleranceRule)
+from learn2stop.core.policy_signals import PolicyRule, PriceSignal, QuantileSignal
+from learn2stop.core.rules import FixedDepth, SignalRule, StopAtTimes
+from learn2stop.core.signals import ToleranceRule
 from learn2stop.core.model import StoppingModel
 
 

@@ -15,7 +15,7 @@ pytest.importorskip("onnxruntime")
 
 from conftest import randomise  # noqa: E402
 from learn2stop.cli import main  # noqa: E402
-from learn2stop.core.calibration import InferenceConfig  # noqa: E402
+from learn2stop.core.inference import InferenceConfig
 from learn2stop.core.model import StoppingModel  # noqa: E402
 from learn2stop.export import ExportError, export_stop_model  # noqa: E402
 from learn2stop.runtime import ManifestError, load  # noqa: E402
@@ -395,7 +395,7 @@ def test_cli_exports_a_trained_run_and_refuses_an_unfinished_one(tmp_path, capsy
     cal = json.loads((run / "calibration.json").read_text())
     m = load(out).manifest
     assert m["rule"]["source"] == "calibration.json" and m["rule"]["threshold"] == pytest.approx(cal["threshold"])
-    from learn2stop.core.calibration import load_calibration
+    from learn2stop.core.calibration_file import load_calibration
 
     with torch.no_grad():
         ref = sm(y, rule=load_calibration(run).make_rule(sm.policy))

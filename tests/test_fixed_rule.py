@@ -8,7 +8,7 @@ import torch
 
 from learn2stop.core import (Calibration, FixedDepth, InferenceConfig, PolicySignal, SignalRule, calibrate_budget,
                              calibrate_risk, first_crossing, run_with_early_exit, signal_trace, unroll)
-from learn2stop.core.rules import DepthSignal
+from learn2stop.core.signals import DepthSignal
 from learn2stop.utils.config import ConfigError
 from tests.test_stopping_pays import sm  # noqa: F401 - the toy stopping model fixture
 

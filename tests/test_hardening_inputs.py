@@ -14,7 +14,10 @@ import torch
 
 from learn2stop.cli import main
 from learn2stop.core import InferenceConfig, StageConfig, StagedTrainer, StoppingModel
-from learn2stop.core.calibration import Calibration, active_rule, calibrate_budget, calibrate_risk, load_calibration
+from learn2stop.core.calibration import calibrate_budget
+from learn2stop.core.calibration_file import Calibration, load_calibration
+from learn2stop.core.inference import active_rule
+from learn2stop.core.risk_control import calibrate_risk
 from learn2stop.utils.config import ConfigError
 from learn2stop.utils.formats import RUN_FORMAT
 
@@ -274,7 +277,7 @@ def test_fit_and_train_refuse_a_dict_for_their_config(tmp_path):
 
 
 def test_a_resume_that_cannot_write_keeps_metrics(tmp_path, monkeypatch):
-    from learn2stop.core import trainer as trainer_module
+    from learn2stop.core import stage_checkpoints as trainer_module
 
     run = tmp_path / "run"
     cfg = StageConfig(objective="stage1", beta=0.1, iterations=4, batch_size=4, eval_every=2, checkpoint_every=2)

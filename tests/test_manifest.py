@@ -17,7 +17,7 @@ from conftest import randomise
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from learn2stop.core.calibration import InferenceConfig
+from learn2stop.core.inference import InferenceConfig
 from learn2stop.core.model import StoppingModel
 from learn2stop.export import ExportError, export_stop_model
 from learn2stop.runtime import ManifestError, load

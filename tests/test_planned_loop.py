@@ -114,7 +114,7 @@ def test_stop_at_times_refuses_bad_plans():
 
 
 def test_price_rule_is_argmax_of_repriced_plan_online_and_offline():
-    from learn2stop.core.rules import PriceSignal
+    from learn2stop.core.policy_signals import PriceSignal
 
     torch.manual_seed(3)
     T, s = 7, 2
@@ -148,7 +148,7 @@ class DirectPlanner(Planner):
 
 @pytest.mark.parametrize("s", [1, 3])
 def test_plan_log_q_stops_where_the_logits_round_trip_does(s):
-    from learn2stop.core.rules import PriceSignal
+    from learn2stop.core.policy_signals import PriceSignal
 
     torch.manual_seed(5)
     T = 8
@@ -186,7 +186,7 @@ def test_the_own_cost_run_plans_and_never_stops_early():
     """The frontier times a policy's own cost with its main rule asked as at inference but never stopping early:
     the price rule at its ``asked_never`` threshold still plans, once per rollout, and runs every sample to T; at +inf it
     would skip the plan (and time nothing)."""
-    from learn2stop.core.rules import PriceSignal
+    from learn2stop.core.policy_signals import PriceSignal
 
     torch.manual_seed(6)
     T = 8
@@ -203,7 +203,7 @@ def test_the_own_cost_run_plans_and_never_stops_early():
 def test_price_zero_is_the_map_stop_time_of_the_plan():
     """Fed one price the price-conditioned rule is the single-price plan's own choice: price 0 stops at
     q_phi's most likely step (the MAP target of Stage II)."""
-    from learn2stop.core.rules import PriceSignal
+    from learn2stop.core.policy_signals import PriceSignal
 
     torch.manual_seed(4)
     logits = stop_logits_from_distribution(torch.log_softmax(3 * torch.randn(200, 9), dim=1))

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from learn2stop.core.loop import run_with_early_exit, unroll
-from learn2stop.core.rules import SIGNALS, SignalRule, first_crossing, make_signal, signal_trace
+from learn2stop.core.rules import SignalRule, first_crossing, signal_trace
+from learn2stop.core.signal_registry import SIGNALS, make_signal
 from learn2stop.tasks.base import get_task, list_tasks
 from learn2stop.utils.config_files import resolve
 

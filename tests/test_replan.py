@@ -7,7 +7,8 @@ from conftest import ToyStepModel, ToyTask, oracle_kl
 from learn2stop.core import (InferenceConfig, SignalRule, StoppingModel, first_crossing, log_stop_time_distribution, run_with_early_exit,
                              signal_trace, unroll)
 from learn2stop.core.distributions import log_oracle_distribution, replanned_log_q, stop_logits_from_distribution
-from learn2stop.core.rules import PriceSignal, make_signal
+from learn2stop.core.policy_signals import PriceSignal
+from learn2stop.core.signal_registry import make_signal
 
 
 class Replanner(nn.Module):
@@ -168,7 +169,7 @@ def test_stage2_fits_a_replanning_policy(tmp_path):
 
 
 def test_one_plan_rules_refuse_a_second_plan():
-    from learn2stop.core.calibration import policy_rules
+    from learn2stop.core.inference import policy_rules
     from learn2stop.export.graphs import ExportError, _schedule
 
     T = 6

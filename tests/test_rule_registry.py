@@ -12,10 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-from learn2stop.core.calibration import Calibration, InferenceConfig
-from learn2stop.core.loop import StepView, as_stop_rule, run_with_early_exit, unroll
-from learn2stop.core.rules import (FixedDepth, PolicyRule, StopAtTimes, ToleranceRule, first_crossing,
-                                   make_signal, signal_trace)
+from learn2stop.core.calibration_file import Calibration
+from learn2stop.core.inference import InferenceConfig
+from learn2stop.core.stop_rule import StepView, as_stop_rule
+from learn2stop.core.loop import run_with_early_exit, unroll
+from learn2stop.core.rules import FixedDepth, StopAtTimes, first_crossing, signal_trace
+from learn2stop.core.policy_signals import PolicyRule
+from learn2stop.core.signals import ToleranceRule
+from learn2stop.core.signal_registry import make_signal
 from learn2stop.core.distributions import stop_logits_from_distribution
 from learn2stop.runtime.registry import OFFERED_BY, get_rule, list_rules
 from learn2stop.utils.config import ConfigError

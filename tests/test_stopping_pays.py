@@ -11,7 +11,8 @@ from learn2stop.core import (ConfidenceSignal, EntropySignal, InferenceConfig, M
                              ToleranceSignal, calibrate_budget, calibrate_risk, exit_costs, first_crossing,
                              log_cost_prior, log_oracle_distribution, run_with_early_exit,
                              signal_trace, unroll, validation_scores)
-from learn2stop.core.calibration import mean_cost_curve, policy_scores
+from learn2stop.core.calibration import mean_cost_curve
+from learn2stop.core.inference import policy_scores
 from learn2stop.utils.config import ConfigError
 
 
@@ -186,7 +187,7 @@ def test_risk_control_holds_in_at_least_1_minus_delta_of_random_splits():
 def test_match_calibration_is_the_cheapest_threshold_reaching_the_goal():
     """With no full-depth lead, an earlier exit may still match the baseline: the cheapest threshold whose
     metric reaches the goal, found by brute force over every candidate; None when none reaches it."""
-    from learn2stop.core.calibration import _candidates, calibrate_match
+    from learn2stop.core.calibration import calibrate_match, candidate_thresholds
 
     g = torch.Generator().manual_seed(1)
     N, T = 400, 6
@@ -199,7 +200,7 @@ def test_match_calibration_is_the_cheapest_threshold_reaching_the_goal():
     stops = first_crossing(scores, cal.threshold)
     assert accuracy(stops) >= goal and cal.calibration["metric"] == accuracy(stops)
     assert cal.target["kind"] == "match" and cal.calibration["mean_cost"] < 1
-    cheapest = min(float(c[first_crossing(scores, float(t)) - 1].mean()) for t in _candidates(scores, 200)
+    cheapest = min(float(c[first_crossing(scores, float(t)) - 1].mean()) for t in candidate_thresholds(scores, 200)
                    if accuracy(first_crossing(scores, float(t))) >= goal)
     assert float(c[stops - 1].mean()) == pytest.approx(cheapest)
     assert calibrate_match(scores, c, accuracy, lambda a, b: a >= b, 0.99, "quantile") is None

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from learn2stop.core.loop import run_with_early_exit
-from learn2stop.core.rules import (FixedDepth, PatienceSignal, PolicyRule, PriceSignal, QuantileSignal, SignalRule,
-                                   ToleranceRule)
+from learn2stop.core.policy_signals import PolicyRule, PriceSignal, QuantileSignal
+from learn2stop.core.rules import FixedDepth, SignalRule
+from learn2stop.core.signals import PatienceSignal, ToleranceRule
 from learn2stop.core.streaming import StreamingRunner
 from learn2stop.tasks.classify.models import build_network
 

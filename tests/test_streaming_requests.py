@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from learn2stop.core.loop import run_with_early_exit
-from learn2stop.core.rules import FixedDepth, PolicyRule, QuantileSignal, SignalRule, ToleranceRule
+from learn2stop.core.policy_signals import PolicyRule, QuantileSignal
+from learn2stop.core.rules import FixedDepth, SignalRule
+from learn2stop.core.signals import ToleranceRule
 from learn2stop.core.streaming import RequestFailed, StreamingRunner
 
 from conftest import ToyPolicy, ToyStepModel, randomise

@@ -90,7 +90,7 @@ def _subnormals(tensors) -> int:
 def test_a_finished_stage_and_a_loaded_checkpoint_hold_no_subnormal_weight(tmp_path):
     """Subnormal weights (what weight decay leaves in dead units) make a CPU's matrix products take a slow path; a
     finished stage hands on and saves none, loads back as it saved, and the outputs do not move."""
-    from learn2stop.core.trainer import load_finished_stage
+    from learn2stop.core.stage_checkpoints import load_finished_stage
 
     sm = make_sm()
     with torch.no_grad():  # theta, which Stage II leaves alone, with subnormal weights beside ordinary ones

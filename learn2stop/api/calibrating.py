@@ -11,12 +11,16 @@ from typing import Any
 
 import torch
 
-from ..core.calibration import (Calibration, CalibrationTarget, calibrate_budget, calibrate_risk, policy_rules)
+from ..core.calibration import CalibrationTarget, calibrate_budget
+from ..core.calibration_file import Calibration
+from ..core.inference import policy_rules
+from ..core.risk_control import calibrate_risk
 from ..core.curves import budget_costs, rule_costs
 from ..core.timing import speeds_side_by_side
 from ..core.trace import Metric, Trace, collect_trace
 from ..core.model import StoppingModel
-from ..core.rules import SIGNALS, first_crossing, make_signal
+from ..core.rules import first_crossing
+from ..core.signal_registry import SIGNALS, make_signal
 from .data import as_batches, inputs_of
 from .guards import check_certified, check_reference
 

@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..core.trees import tree_map
-from ..core.trainer import derive_seed
+from ..utils.seeding import derive_seed
 
 #: what a sampling function's validation set is made of when none is given: batches x rows
 VALIDATION_BATCHES, VALIDATION_ROWS = 4, 256

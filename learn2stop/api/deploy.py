@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..core.calibration import InferenceConfig
+from ..core.inference import InferenceConfig
 from ..core.model import StoppingModel
 from ..export import export_stop_model
 
@@ -14,7 +14,7 @@ def export_model(sm: StoppingModel, example_inputs: Any, out_dir: str | Path, *,
     """Write ``sm`` as ONNX graphs (one per step, and the policy's) with a checksummed manifest, to be run by
     ``learn2stop.runtime.load(out_dir)`` with numpy and ONNX Runtime alone.
 
-    ``rule``: the deployed rule (a :class:`~learn2stop.core.calibration.Calibration`, an ``InferenceConfig``, or
+    ``rule``: the deployed rule (a :class:`~learn2stop.core.calibration_file.Calibration`, an ``InferenceConfig``, or
     ``{"name": "fixed", "param": d}``); default ``sm.calibration``, else the default inference rule, else full depth.
     ``options`` go to :func:`~learn2stop.export.export_stop_model` (``exit_costs``, ``dynamic_dims``, ``opset``).
     """

@@ -9,13 +9,15 @@ from typing import Any
 
 import torch
 
-from ..core.calibration import Calibration, InferenceConfig, policy_rules
+from ..core.calibration_file import Calibration
+from ..core.inference import InferenceConfig, policy_rules
 from ..core.curves import (budget_curve, extend_below, fastest_at_quality, fixed_depth_curve, frontier_point,
                            frontier_summary, oracle_curve, speed_at_quality, sweep_curve)
 from ..core.frontier_report import frontier_markdown
 from ..core.timing import SPEED_KEYS, speeds_side_by_side
 from ..core.model import StoppingModel
-from ..core.rules import FixedDepth, SignalRule, make_signal
+from ..core.rules import FixedDepth, SignalRule
+from ..core.signal_registry import make_signal
 from ..core.trees import tree_leaves, tree_map
 from .calibrating import as_metric, default_rule, model_trace
 from .data import as_batches, inputs_of

@@ -10,22 +10,31 @@ from .distributions import (
     stop_time_distribution,
     survival_log_probability,
 )
-from .loop import Rollout, StepView, run_with_early_exit, unroll
+from .loop import Rollout, run_with_early_exit, unroll
+from .stop_rule import StepView
 from .protocols import StepwiseModel
-from .rules import FixedDepth, PolicyRule, StopAtTimes, ToleranceRule, threshold_stop_times
+from .policy_signals import PolicyRule, threshold_stop_times
+from .rules import FixedDepth, StopAtTimes
+from .signals import ToleranceRule
 from .model import StoppingModel
 from .policies import ExitPolicy, StepMLPPolicy, logit_signals, output_signals
-from .calibration import (Calibration, InferenceConfig, calibrate_budget, calibrate_risk, load_calibration,
-                          save_calibration)
+from .calibration import calibrate_budget
+from .calibration_file import Calibration, load_calibration, save_calibration
+from .inference import InferenceConfig
+from .risk_control import calibrate_risk
 from .distributions import exit_costs, log_cost_prior
 from .trace import Metric, Trace, collect_trace, evaluate_rule
 from .exits import ExitNetwork, attach_exits, sdn_exit_points
 from .objectives import OBJECTIVES, MethodConfig, StageConfig, StageObjective
 from .task import Stage, StoppingApp
 from .train import load_stage, run_pipeline
-from .rules import (ConfidenceSignal, EntropySignal, PatienceSignal, PolicySignal, QuantileSignal, SignalRule,
-                    ToleranceSignal, first_crossing, signal_trace)
-from .trainer import StagedTrainer, derive_seed, load_finished_stage, validation_scores
+from .policy_signals import PolicySignal, QuantileSignal
+from .rules import SignalRule, first_crossing, signal_trace
+from .signals import ConfidenceSignal, EntropySignal, PatienceSignal, ToleranceSignal
+from .stage_checkpoints import load_finished_stage
+from .trainer import StagedTrainer
+from ..utils.seeding import derive_seed
+from .validation import validation_scores
 
 __all__ = [
     "entropy",

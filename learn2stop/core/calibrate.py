@@ -11,15 +11,17 @@ import torch
 
 from ..utils.config import ConfigError
 from ..utils.outputs import previous_path
-from .calibration import (Calibration, calibrate_budget, calibrate_risk,
-                          CALIBRATION_FILE, CalibrationTarget, check_calibration_replace, save_calibration)
+from .calibration import CalibrationTarget, calibrate_budget
+from .calibration_file import CALIBRATION_FILE, Calibration, check_calibration_replace, save_calibration
+from .risk_control import calibrate_risk
 from .curves import (budget_costs, rule_costs)
 from .timing import speeds_side_by_side
 from .trace import Trace
 from .loop import run_with_early_exit
 from .model import StoppingModel
 from .trees import tree_leaves, tree_map, tree_select
-from .rules import SIGNALS, first_crossing
+from .rules import first_crossing
+from .signal_registry import SIGNALS
 from .task import (Run, StoppingApp, calibrated_rule, check_policy_rule, check_rule, model_rules,
                    require_trained, rule_signal, stop_model_trace)
 from .train import load_stage

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from .calibration import calibrate_budget
-from .rules import StopSignal, first_crossing
+from .rules import first_crossing
+from .signals import StopSignal
 from .timing import SPEED_KEYS
 from .trace import Metric, Trace
 

@@ -17,13 +17,16 @@ import torch
 from ..utils.formats import RUN_FORMAT, format_refusal
 from ..utils.config import ConfigError
 from ..utils.report import write_json, write_text_atomic
-from .calibration import (Calibration, active_rule, calibrate_match, calibrate_risk,
-                          load_calibration,
-                          save_calibration)
+from .calibration import calibrate_match
+from .calibration_file import Calibration, load_calibration, save_calibration
+from .inference import active_rule
+from .risk_control import calibrate_risk
 from .curves import (budget_costs)
 from .trace import Trace, collect_trace
 from .model import StoppingModel
-from .rules import SIGNALS, DepthSignal, FixedDepth, make_signal
+from .rules import FixedDepth
+from .signal_registry import SIGNALS, make_signal
+from .signals import DepthSignal
 from .calibrate import calibrate_each, time_rules, timing_passes
 from .task import (Run, StoppingApp, calibrated_rule, check_config, check_policy_rule, check_rule, model_rules,
                    signal_key, stop_model_trace)

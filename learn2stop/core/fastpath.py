@@ -91,7 +91,7 @@ def flush_denormals_(module: nn.Module) -> int:
     float32 sum of such activations can hold, so the outputs stay as they were (checked bit for bit: the sparse quick
     and ``paper-cpu`` planners' plans and stop times, and README command 1's results); the trainer flushes each
     finished stage, and :func:`load_finished_stage
-    <learn2stop.core.trainer.load_finished_stage>` the checkpoints written before it did.
+    <learn2stop.core.stage_checkpoints.load_finished_stage>` the checkpoints written before it did.
     """
     count = 0
     for t in (*module.parameters(), *module.buffers()):

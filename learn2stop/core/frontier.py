@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from ..utils.report import write_json, write_text_atomic
-from .calibration import (policy_rules)
+from .inference import policy_rules
 from .curves import (budget_curve, extend_below, fastest_at_quality, fixed_depth_curve, frontier_point,
                      frontier_summary, oracle_curve, speed_at_quality, sweep_curve)
 from .frontier_report import frontier_markdown, frontier_plot, frontier_time_plot
@@ -19,7 +19,9 @@ from .timing import SPEED_KEYS, speeds_side_by_side
 from .trace import Trace, collect_trace
 from .loop import run_with_early_exit
 from .trees import tree_leaves
-from .rules import DepthSignal, FixedDepth, SignalRule, make_signal
+from .rules import FixedDepth, SignalRule
+from .signal_registry import make_signal
+from .signals import DepthSignal
 from .calibrate import shuffled, timing_passes, timing_slice
 from .task import (Run, StoppingApp, check_policy_rule, require_trained, stop_model_trace)
 from .train import load_stage

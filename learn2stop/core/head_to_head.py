@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .calibration import _candidates, mean_cost_curve
+from .calibration import candidate_thresholds, mean_cost_curve
 from .curves import budget_costs
 from .rules import first_crossing
 from .trace import Metric, Trace
@@ -23,7 +23,7 @@ def stops_at_cost(scores: Tensor, costs: Tensor, cost: float, generator: torch.G
     that the mean cost meets it: a randomised rule, the frontier's linear interpolation between two thresholds made
     sample by sample (for a fixed depth, a mix of two depths). Below the rule's cheapest threshold, that threshold.
     """
-    cand = _candidates(scores)
+    cand = candidate_thresholds(scores)
     spent = mean_cost_curve(scores, costs, cand)
     within = (spent <= cost + 1e-6).nonzero().flatten()
     k = int(within.max()) if within.numel() else 0

@@ -18,12 +18,12 @@ called once, at that step, and returns the (B, T-1) stop logits of every step (i
 set ``replan_step``, where the samples still running are planned once more. The optional members of a model
 and a policy, and their defaults, are declared in :mod:`learn2stop.core.protocols`.
 
-A *stop rule* (:class:`StopRule`) fills the stopping slot of :func:`run_with_early_exit`: a fixed depth, a
-tolerance on the change of the output, or the learned policy (thresholded or sampled) all fit. The loop asks
-the rule at its steps and shrinks the batch by the answer, which rows stop now or a :class:`Plan` (rows sorted by
-planned depth, run in shrinking contiguous slices without deciding again); the rule owns its planning and
-replanning. The rules live in :mod:`learn2stop.core.rules`, the batch-tree helpers in
-:mod:`learn2stop.core.trees`, and :class:`~learn2stop.core.model.StoppingModel`, which users hold, on top.
+A *stop rule* (:class:`~learn2stop.core.stop_rule.StopRule`) fills the stopping slot of
+:func:`run_with_early_exit`: the loop asks it at its steps and shrinks the batch by the answer, which rows stop now
+or a :class:`~learn2stop.core.stop_rule.Plan`. The slot is :mod:`learn2stop.core.stop_rule`, the rules
+:mod:`learn2stop.core.rules`, the model's and the policy's calls :mod:`learn2stop.core.steps` and
+:mod:`learn2stop.core.policy_calls`, the batch-tree helpers :mod:`learn2stop.core.trees`, and
+:class:`~learn2stop.core.model.StoppingModel`, which users hold, on top.
 """
 from __future__ import annotations
 
@@ -33,161 +33,17 @@ from typing import Any, Callable, Collection
 import torch
 from torch import Tensor, nn
 
+from .policy_calls import (NEVER_STOP_LOGIT, check_replan_step, planned_logits, policy_logits, replan_log_q)
 from .protocols import member
+from .shrinking_batch import ShrinkingBatch
+from .steps import check_model_inputs, check_stepwise, first_call, take_step
+from .stop_rule import Plan, StepView, StopRule, as_stop_rule
 from .trees import batch_size, take_rows, tree_detach, tree_leaves, tree_map, tree_select, tree_zip_apply, tree_zip_map
 
 
-# ----------------------------------------------------------------------------- protocols
-def check_stepwise(model: Any) -> None:
-    """Raise a TypeError naming what ``model`` lacks to be driven by the loop."""
-    missing = [n for n in ("num_steps", "initial_state", "step", "readout") if not hasattr(model, n)]
-    if missing:
-        raise TypeError(f"{type(model).__name__} is not a step-wise model: it lacks {', '.join(missing)}")
-    if not isinstance(model.num_steps, int) or model.num_steps < 1:
-        raise ValueError(f"{type(model).__name__}.num_steps must be an integer >= 1; got {model.num_steps!r}")
-
-
-@dataclass
-class StepView:
-    """What a stop rule sees at step t, for the samples still running."""
-
-    t: int
-    num_steps: int
-    inputs: Any
-    output: Any
-    previous_output: Any
-    state: Any
-    index: Tensor  # (B_active,) positions of these samples in the original batch
-
-
-@dataclass
-class Plan:
-    """A planning rule's answer at a step t: the running rows sorted by planned depth, deepest first (``order``:
-    None keeps them as they are), and ``running[s]``, how many of them are still running after step s (s >= t),
-    so the loop runs shrinking contiguous leading slices, with no decision, gather or sync at the steps between."""
-
-    order: Tensor | None
-    running: list[int]
-
-    @classmethod
-    def of(cls, times: Tensor, t: int, num_steps: int) -> "Plan":
-        """The plan of (B,) 1-based stop times made at step t (clamped to t..T; t = 0: before the first step), with
-        one host sync (the counts; at batch 1 the depth itself)."""
-        T = num_steps
-        times = times.clamp(max(t, 1), T)
-        running = [0] * (T + 1)
-        if times.numel() == 1:  # a single sample: its depth is all there is to know (nothing to sort)
-            depth = int(times)
-            running[t:depth] = [1] * (depth - t)
-            return cls(None, running)
-        times, order = torch.sort(times, descending=True, stable=True)
-        counts = torch.bincount(times, minlength=T + 1).flip(0).cumsum(0).flip(0)  # counts[s] = #(times >= s)
-        running[t:] = counts[t + 1:].tolist() + [0]
-        return cls(order, running)
-
-
-class StopRule:
-    """What fills the stop-rule slot of :func:`run_with_early_exit`: the protocol of a stop rule, with its defaults.
-
-    A per-step rule defines ``__call__(view) -> (B,) bool`` (stop now) and is asked at steps ``first_step``..T-1;
-    a planning rule sets ``plan_step`` (0: before the first step) and defines ``plan(view) -> (B,)`` stop times, and
-    may set ``replan_step`` with ``replan(view) -> (B,)`` for the rows still running there. The loop asks
-    :meth:`decide` at :meth:`ask_steps` and shrinks the batch by its answer: it knows nothing of plans. Any
-    callable on a :class:`StepView` is a per-step rule too (:func:`as_stop_rule` declares it one).
-    """
-
-    first_step: int = 1
-    plan_step: int | None = None
-    replan_step: int | None = None
-    #: a per-step rule reads ``previous_output`` at its first step (the loop reads the model out the step before)
-    reads_previous: bool = True
-    #: the (B_active,) stop probabilities of the last ``__call__``, for a rule that has them (``record_probs``)
-    last_probs: Tensor | None = None
-
-    def __call__(self, view: StepView) -> Tensor:
-        raise NotImplementedError
-
-    def plan(self, view: StepView) -> Tensor:
-        raise TypeError(f"{type(self).__name__} has a plan_step but no plan(view)")
-
-    def replan(self, view: StepView) -> Tensor:
-        raise TypeError(f"{type(self).__name__} has a replan_step but no replan(view)")
-
-    @property
-    def first_ask(self) -> int:
-        """The first step the loop consults the rule at: its plan step, else its first step."""
-        return int(self.plan_step) if self.plan_step is not None else int(self.first_step)
-
-    def ask_steps(self, num_steps: int) -> Collection[int]:
-        """The steps at which the loop asks :meth:`decide` (never T: step T stops what is left)."""
-        if self.plan_step is None:
-            return range(self.first_ask, num_steps)
-        return {s for s in (self.plan_step, self.replan_step) if s is not None and s < num_steps}
-
-    def read_steps(self, num_steps: int) -> Collection[int]:
-        """The steps at which the loop (and the stream) read the model out, besides those where planned rows stop:
-        a per-step rule from the step before its first ask (its ``previous_output``; from the ask itself for a rule
-        that does not read it) to T; a planning rule at its plan, at its second plan and the step before, and T."""
-        T = num_steps
-        if self.plan_step is None:
-            first = self.first_ask
-            return range(min(first - 1 if self.reads_previous else first, T), T + 1)
-        return {self.plan_step, T} if self.replan_step is None else {self.plan_step, self.replan_step - 1,
-                                                                      self.replan_step, T}
-
-    def decide(self, view: StepView) -> Tensor | Plan:
-        """The rule's answer at an asked step: a :class:`Plan` at its plan (and replan) step, else the (B,) bool
-        stops of ``__call__``."""
-        if view.t == self.plan_step:
-            return Plan.of(self.plan(view), view.t, view.num_steps)
-        if view.t == self.replan_step:
-            return Plan.of(self.replan(view), view.t, view.num_steps)
-        return self(view)
-
-
-class _Declared(StopRule):
-    """A rule that does not derive from :class:`StopRule` (a function, a user's class): its optional members read
-    once, here, with the protocol's defaults."""
-
-    def __init__(self, rule: Any):
-        self.rule = rule
-        for name in ("first_step", "plan_step", "replan_step", "reads_previous"):  # the defaults: StopRule's
-            setattr(self, name, getattr(rule, name, vars(StopRule)[name]))
-
-    def __call__(self, view: StepView) -> Tensor:
-        return self.rule(view)
-
-    @property
-    def last_probs(self) -> Tensor | None:
-        return getattr(self.rule, "last_probs", None)
-
-    def plan(self, view: StepView) -> Tensor:
-        return self.rule.plan(view)
-
-    def replan(self, view: StepView) -> Tensor:
-        return self.rule.replan(view)
-
-
-def as_stop_rule(rule: Any) -> StopRule:
-    """``rule`` as a :class:`StopRule` (itself if it is one); refuses what cannot fill the slot (a rule's name,
-    None), saying what can."""
-    if isinstance(rule, StopRule):
-        return rule
-    if not (callable(rule) or callable(getattr(rule, "plan", None))):
-        hint = (" (build it: InferenceConfig(rule=...).make_rule(policy), or a calibration's make_rule)"
-                if isinstance(rule, str) else "")
-        raise TypeError(f"rule must be a stop rule (a callable on a StepView, or a planning rule with plan()); "
-                        f"got {type(rule).__name__} {rule!r}{hint}")
-    return _Declared(rule)
-
-
-def check_rule(rule: Any) -> None:
-    """Refuse what cannot fill the stop-rule slot (a rule's name, None), saying what can."""
-    as_stop_rule(rule)
-
-
-
 # ----------------------------------------------------------------------------- the result
+
+
 @dataclass
 class Rollout:
     """The uniform result of the loop, read by every trainer, metric and plot.
@@ -225,6 +81,8 @@ class Rollout:
 
 
 # ----------------------------------------------------------------------------- the loop
+
+
 def unroll(
     model: Any,
     inputs: Any,
@@ -254,6 +112,7 @@ def unroll(
         A :class:`Rollout` whose ``outputs`` are the outputs at step T.
     """
     check_stepwise(model)
+    check_model_inputs(model, inputs)
     T = model.num_steps
     B = batch_size(inputs)
     losses, logits, outs = [], [], []
@@ -262,11 +121,11 @@ def unroll(
     check_replan_step(plan_at, replan_at, T)
     planned = replanned = previous = None
     with torch.set_grad_enabled(model_grad and torch.is_grad_enabled()):
-        state = _first(model.initial_state, model, inputs)
+        state = first_call(model.initial_state, model, inputs)
     output = None
     for t in range(1, T + 1):
         with torch.set_grad_enabled(model_grad and torch.is_grad_enabled()):
-            state, output = _step(model, t, state, inputs, grad_steps is None or t in grad_steps)
+            state, output = take_step(model, t, state, inputs, grad_steps is None or t in grad_steps)
             if loss_fn is not None and target is not None:
                 loss_t = loss_fn(output, target)
                 if loss_t.shape != (B,):
@@ -275,7 +134,7 @@ def unroll(
         if policy is not None and t < T and (plan_at is None or t == plan_at):
             seen = output if model_grad else tree_detach(output)
             if plan_at is None:
-                logits.append(_policy_logits(policy, inputs, seen, t, B))
+                logits.append(policy_logits(policy, inputs, seen, t, B))
             else:
                 planned = planned_logits(policy, inputs, seen, t, B, T)
         if replan_at is not None and t in (replan_at - 1, replan_at):
@@ -315,7 +174,9 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule | Callable[[Step
     rows stop. So full depth costs the network alone plus the loop, not every exit head (the exported graphs
     skip them alike: :mod:`learn2stop.export`).
 
-    Inputs are not checked here (this is the hot path): :class:`StoppingModel` checks them once.
+    Inputs are checked once, here, before the first step (:func:`~learn2stop.core.steps.check_model_inputs`), never
+    inside the loop; a policy's NaN stop logits (which would never stop a sample) are refused once, at the end of the
+    rollout (:meth:`~learn2stop.core.stop_rule.StopRule.nan_scores`: no work and no host sync at the steps).
 
     Args:
         model: a step-wise model.
@@ -330,14 +191,15 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule | Callable[[Step
         A :class:`Rollout`; ``outputs`` is in input order.
     """
     rule = as_stop_rule(rule)
+    check_stepwise(model)
+    check_model_inputs(model, inputs)
     if compact_every is not None and rule.plan_step is None:
         if record_probs:
             raise ValueError("record_probs=True is not available in device mode (compact_every)")
         return _run_device_mode(model, inputs, rule, compact_every)
-    check_stepwise(model)
     T = model.num_steps
     check_replan_step(rule.plan_step, rule.replan_step, T)
-    run = _ShrinkingBatch(model, inputs, T)
+    run = ShrinkingBatch(model, inputs, T)
     if record_probs:
         rule = _RecordingProbs(rule, run.B, T, run.active.device)
     asks, reads = rule.ask_steps(T), rule.read_steps(T)  # (and the model is read out where planned rows stop)
@@ -361,88 +223,19 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule | Callable[[Step
         if run.done:
             break
         previous = output if t + 1 in asks else None  # what the rule reads as previous_output next step
+    refuse_nan_scores(rule)
     extras = {"stop_probs": rule.probs} if record_probs else {}
     return Rollout(outputs=run.result, stop_times=run.stop_times, num_steps=T, extras=extras)
 
 
-class _ShrinkingBatch:
-    """The rows still running of one early-exit rollout (their state, inputs and original positions), and the
-    result the stopped rows are written into, in input order."""
-
-    def __init__(self, model: Any, inputs: Any, T: int):
-        self.model, self.inputs, self.T = model, inputs, T
-        self.B = batch_size(inputs)
-        self.state = _first(model.initial_state, model, inputs)
-        leaves = tree_leaves(self.state)
-        device = leaves[0].device if leaves else tree_leaves(inputs)[0].device
-        self.active = torch.arange(self.B, device=device)  # (B_active,) original rows of the running samples
-        self.stop_times = torch.full((self.B,), T, dtype=torch.long, device=device)
-        self.result = None  # preallocated on the first write: stopped rows go straight to their place
-        self.done = False  # every row has stopped
-
-    def step(self, t: int, read: bool) -> Any:
-        self.state, output = _step(self.model, t, self.state, self.inputs, read=read)
-        return output
-
-    def finish(self, rows: slice | Tensor, output: Any, t: int) -> Any:
-        """Write the running rows ``rows`` at their stop step t; ``output`` None (planned: a step the plan does not
-        read): the running rows are read out here first, all of them, so that each row's output is the value it had
-        when every step was read out (a batched readout can round a row otherwise with other rows around it: sampled
-        Stage I trains through this). Returns the output."""
-        if output is None:
-            output = _readout(self.model, t, self.state, self.inputs)
-        if self.result is None:
-            self.result = tree_map(lambda x: x.new_empty((self.B, *x.shape[1:])) if x.dim() > 0 else x, output)
-        idx = self.active[rows]
-        tree_zip_apply(lambda dst, src: dst.index_copy_(0, idx, take_rows(src, rows)), self.result, output)
-        if t < self.T:
-            self.stop_times[idx] = t
-        return output
-
-    def _select(self, rows: slice | Tensor, *trees: Any) -> list[Any]:
-        """Keep the running rows ``rows`` (a slice, or integer positions); ``trees`` follow them."""
-        self.active, self.state, self.inputs = self.active[rows], tree_select(self.state, rows), tree_select(self.inputs, rows)
-        return [None if x is None else tree_select(x, rows) for x in trees]
-
-    def keep_leading(self, k: int, output: Any, t: int, previous: Any) -> tuple[Any, Any]:
-        """After a plan: the rows past the first k (the shallowest planned) stop at t; the first k go on."""
-        n = self.active.numel()
-        if k < n:
-            output = self.finish(slice(k, n), output, t)
-            self.done = k == 0
-            output, previous = self._select(slice(0, k), output, previous)
-        return output, previous
-
-    def follow(self, plan: Plan, output: Any, t: int) -> tuple[list[int], Any]:
-        """Sort the running rows (and the output) as ``plan`` orders them, then stop those it stops at t; the plan's
-        counts, and the output of the rows going on."""
-        if plan.order is not None:
-            same = output is self.state  # a readout that is the state itself (LISTA's x_t): one gather, not two
-            self._select(plan.order)
-            output = None if output is None else self.state if same else tree_select(output, plan.order)
-        output, _ = self.keep_leading(plan.running[t], output, t, None)
-        return plan.running, output
-
-    def stop_rows(self, stop: Tensor, output: Any, t: int) -> Any:
-        """A per-step rule's (B_active,) bool answer: write the rows that stop at t, keep the others (in order)."""
-        n = self.active.numel()
-        if stop.shape != (n,) or stop.dtype != torch.bool:
-            raise ValueError(f"a stop rule must return a bool tensor of shape ({n},); got {stop.dtype} {tuple(stop.shape)}")
-        if n == 1:  # batch of one: a stop simply ends the loop
-            if bool(stop):
-                self.finish(slice(None), output, t)
-                self.done = True
-            return output
-        # One host synchronisation (the count); rows are then moved with integer indices, which need
-        # none: a stable sort puts the continuing rows first, in order, then the stopped ones.
-        n_stop = int(stop.sum())
-        if n_stop:
-            order = torch.argsort(stop.to(torch.int8), stable=True)
-            self.finish(order[n - n_stop:], output, t)
-            self.done = n_stop == n
-            if not self.done:
-                output, = self._select(order[:n - n_stop], output)
-        return output
+def refuse_nan_scores(rule: StopRule) -> None:
+    """Refuse, once at the end of a rollout, the NaN stop scores the rule saw (:meth:`StopRule.nan_scores`)."""
+    nan = rule.nan_scores()
+    if nan is not None:
+        t, rows, n = nan
+        raise ValueError(f"the stopping policy returned NaN stop logits at step {t} for {rows} of {n} running "
+                         f"sample(s); a NaN stop probability never stops a sample (it would run to the last step): "
+                         f"check the policy's weights and what it reads")
 
 
 class _RecordingProbs(StopRule):
@@ -463,6 +256,9 @@ class _RecordingProbs(StopRule):
         self.probs[view.index, view.t - 1] = reported.to(self.probs)
         return stop
 
+    def nan_scores(self) -> tuple[int, int, int] | None:
+        return self.rule.nan_scores()
+
 
 def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int) -> Rollout:
     """Early exit without a host synchronisation at every step (for accelerators, where each sync stops the
@@ -481,7 +277,7 @@ def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int
     B = batch_size(inputs)
     first = rule.first_ask
     reads = rule.read_steps(T)
-    state = _first(model.initial_state, model, inputs)
+    state = first_call(model.initial_state, model, inputs)
     device = tree_leaves(state)[0].device if tree_leaves(state) else tree_leaves(inputs)[0].device
     active = torch.arange(B, device=device)
     stop_times = torch.full((B,), T, dtype=torch.long, device=device)
@@ -496,7 +292,7 @@ def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int
 
     previous = None
     for t in range(1, T + 1):
-        state, output = _step(model, t, state, inputs, read=t in reads)
+        state, output = take_step(model, t, state, inputs, read=t in reads)
         if done is not None:  # rows already stopped keep the output of their stop step
             output = tree_zip_map(lambda h, o: torch.where(done.view(-1, *([1] * (o.dim() - 1))), h, o), held, output)
         if t == T:
@@ -523,114 +319,5 @@ def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int
                 active, state, inputs = active[keep], tree_select(state, keep), tree_select(inputs, keep)
                 output, times = tree_select(output, keep), times[keep]
                 held, previous, done = output, output, done[keep]
+    refuse_nan_scores(rule)
     return Rollout(outputs=result, stop_times=stop_times, num_steps=T)
-
-
-def _step(model: Any, t: int, state: Any, inputs: Any, readout_grad: bool = True, read: bool = True) -> tuple[Any, Any]:
-    """(state, output) of step t (``read=False``: output None, not read out); the first step's shape or dtype
-    errors are reported in the user's terms. ``readout_grad=False``: the output without gradients (the state
-    keeps them)."""
-    state = model.step(t, state, inputs) if t > 1 else _first(lambda i: model.step(1, state, i), model, inputs)
-    return state, _readout(model, t, state, inputs, readout_grad) if read else None
-
-
-def _readout(model: Any, t: int, state: Any, inputs: Any, readout_grad: bool = True) -> Any:
-    with torch.set_grad_enabled(readout_grad and torch.is_grad_enabled()):
-        return model.readout(t, state, inputs) if t > 1 else _first(lambda i: model.readout(1, state, i), model, inputs)
-
-
-def _first(fn: Callable, model: Any, inputs: Any) -> Any:
-    """Run the model's first call, turning a shape or dtype mismatch deep inside it into one clear error."""
-    try:
-        return fn(inputs)
-    except (RuntimeError, IndexError) as e:
-        shapes = [tuple(x.shape) for x in tree_leaves(inputs)]
-        dtypes = sorted({str(x.dtype) for x in tree_leaves(inputs)})
-        hint = " (inputs are batch-first: a single sample needs a batch dimension, e.g. x[None])" \
-            if any(len(sh) == 1 for sh in shapes) else ""
-        raise ValueError(f"{type(model).__name__} cannot take inputs of shape {shapes[0] if len(shapes) == 1 else shapes} "
-                         f"and dtype {', '.join(dtypes)}: {str(e).splitlines()[0]}{hint}") from None
-
-
-#: logit used for steps a policy declares it never stops at (sigmoid(-50) ~ 2e-22).
-NEVER_STOP_LOGIT = -50.0
-
-
-def _policy_logits(policy: nn.Module, inputs: Any, output: Any, t: int, B: int) -> Tensor:
-    """The policy's stop logits at step t; a policy with ``min_step`` is not even called before it."""
-    if t < member(policy, "min_step"):
-        leaf = tree_leaves(output)[0]
-        return torch.full((B,), NEVER_STOP_LOGIT, device=leaf.device, dtype=leaf.dtype)
-    logits = policy(inputs, output, t)
-    if logits.shape != (B,):
-        raise ValueError(f"a policy must return one stop logit per sample, shape ({B},); got {tuple(logits.shape)}")
-    return logits
-
-
-def planned_log_q(policy: nn.Module, inputs: Any, output: Any, t: int, B: int, T: int) -> Tensor:
-    """A planning policy's (B, T) log q_phi from its one call at step t = ``plan_step``; only steps t..T are
-    meant to be read (q_phi renormalised on them stops at the same argmax). From its ``plan_log_q`` when it has
-    one (no round trip through stop logits: about 80 µs at batch 1, more than a LISTA step), else from its logits."""
-    direct = member(policy, "plan_log_q")
-    if direct is None:
-        from .distributions import log_stop_time_distribution
-
-        return log_stop_time_distribution(planned_logits(policy, inputs, output, t, B, T).float())
-    log_q = direct(inputs, output, t)
-    if log_q.shape != (B, T):
-        raise ValueError(f"a planning policy's plan_log_q (plan_step={t}) must return log q_phi of steps 1..T, "
-                         f"shape ({B}, {T}); got {tuple(log_q.shape)}")
-    if not bool(torch.isfinite(log_q[:, t - 1:]).all()):
-        raise ValueError(f"the planning policy returned NaN or inf log q_phi at its plan step {t}")
-    return log_q.float()
-
-
-def check_replan_step(plan_step: int | None, replan_step: int | None, T: int) -> None:
-    """A second plan comes after the first and before the last step."""
-    if replan_step is None:
-        return
-    if plan_step is None or isinstance(replan_step, bool) or not isinstance(replan_step, int) \
-            or not plan_step < replan_step < T:
-        raise ValueError(f"replan_step must be an integer after the plan step ({plan_step}) and before the last step "
-                         f"({T}); got {replan_step!r}")
-
-
-def replan_scores_late(policy: nn.Module, inputs: Any, output: Any, previous: Any, t: int, B: int, T: int) -> Tensor:
-    """A re-planning policy's second plan at t = ``replan_step`` as it returns it, steps t..T only: (B, T - t + 1)
-    log q_phi up to a constant per row (what an argmax reads; checked once per rollout)."""
-    log_q = policy.replan_log_q(inputs, output, previous, t)
-    if log_q.shape != (B, T):
-        raise ValueError(f"a planning policy's replan_log_q (replan_step={t}) must return log q_phi of steps 1..T, "
-                         f"shape ({B}, {T}); got {tuple(log_q.shape)}")
-    late = log_q[:, t - 1:].float()
-    if not bool(torch.isfinite(late).all()):
-        raise ValueError(f"the planning policy returned NaN or inf log q_phi at its replan step {t}")
-    return late
-
-
-def replan_log_q(policy: nn.Module, inputs: Any, output: Any, previous: Any, t: int, B: int, T: int) -> Tensor:
-    """A re-planning policy's second plan at t = ``replan_step``: (B, T) log q_phi, renormalised on steps t..T
-    and very unlikely (finite, so that differences stay defined) before them."""
-    late = replan_scores_late(policy, inputs, output, previous, t, B, T)
-    return torch.cat([late.new_full((B, t - 1), REPLAN_PAST_LOG_Q), torch.log_softmax(late, dim=1)], dim=1)
-
-
-#: log q of the steps a second plan cannot choose any more (before it): finite, so that ratios of log q stay defined.
-REPLAN_PAST_LOG_Q = -1e4
-
-
-def planned_logits(policy: nn.Module, inputs: Any, output: Any, t: int, B: int, T: int) -> Tensor:
-    """A planning policy's (B, T-1) stop logits for steps 1..T-1, from its one call at step t = ``plan_step``.
-
-    Steps before t cannot stop any more (their logits are set to ``NEVER_STOP_LOGIT``), so the planned
-    q_phi puts its mass on t..T, and every policy rule reads its stop time off these logits at once.
-    """
-    logits = policy(inputs, output, t)
-    if logits.shape != (B, T - 1):
-        raise ValueError(f"a planning policy (plan_step={t}) must return the stop logits of steps 1..T-1 at once, "
-                         f"shape ({B}, {T - 1}); got {tuple(logits.shape)}")
-    if not bool(torch.isfinite(logits[:, t - 1:]).all()):  # one call per rollout: the check is cheap here
-        raise ValueError(f"the planning policy returned NaN or inf stop logits at its plan step {t}")
-    if t > 1:
-        logits = torch.cat([logits.new_full((B, t - 1), NEVER_STOP_LOGIT), logits[:, t - 1:]], dim=1)
-    return logits

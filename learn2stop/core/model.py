@@ -18,11 +18,15 @@ from torch import Tensor, nn
 from ..utils.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..utils.config import ConfigError
 from ..utils.report import write_json
-from .calibration import Calibration, InferenceConfig
+from .calibration_file import Calibration
+from .inference import InferenceConfig
 from .distributions import log_stop_time_distribution
-from .loop import Rollout, StopRule, check_rule, check_stepwise, run_with_early_exit, unroll
-from .rules import FixedDepth, PolicyRule
-from .trees import batch_size, check_batch_first, check_inputs, tree_map
+from .loop import Rollout, run_with_early_exit, unroll
+from .steps import check_stepwise
+from .stop_rule import StopRule, check_rule
+from .policy_signals import PolicyRule
+from .rules import FixedDepth
+from .trees import batch_size, tree_map
 
 PRETRAINED_FORMAT = "learn2stop-pretrained"
 #: the version of the folder :meth:`StoppingModel.save_pretrained` writes; another version is refused
@@ -56,8 +60,6 @@ class StoppingModel(nn.Module):
     def unroll(self, inputs: Any, target: Any = None, loss_fn=None, *, use_policy: bool = True,
                model_grad: bool = True, keep_outputs: bool = False, grad_steps=None) -> Rollout:
         """Full-depth rollout recording per-step losses and stop logits (see :func:`unroll`)."""
-        check_inputs(inputs)
-        check_batch_first(inputs)
         if target is not None and batch_size(target) != batch_size(inputs):
             raise ValueError(f"target has batch size {batch_size(target)} but the inputs have {batch_size(inputs)}")
         return unroll(self.model, inputs, target=target, loss_fn=loss_fn,
@@ -70,7 +72,7 @@ class StoppingModel(nn.Module):
         """Inference that really stops.
 
         The rule is, in order: ``rule`` (any stop rule); the policy with ``mode`` ("threshold" / "sample") and
-        ``threshold`` if either is given; ``inference`` (an :class:`~learn2stop.core.calibration.InferenceConfig`);
+        ``threshold`` if either is given; ``inference`` (an :class:`~learn2stop.core.inference.InferenceConfig`);
         the model's ``calibration`` if it has one; else the rule the CLI and validation use by default (quantile,
         alpha 0.5). Without a policy (and no calibration): full depth. ``compact_every``: the device mode of
         :func:`run_with_early_exit` (no host synchronisation between compactions).
@@ -93,9 +95,7 @@ class StoppingModel(nn.Module):
                 rule = FixedDepth()
             else:
                 rule = InferenceConfig().make_rule(self.policy, generator)
-        check_inputs(inputs)
-        check_batch_first(inputs)
-        check_rule(rule)
+        check_rule(rule)  # the inputs are checked by the loop, once
         with torch.inference_mode(not grad):
             return run_with_early_exit(self.model, inputs, rule, record_probs=record_probs, compact_every=compact_every)
 

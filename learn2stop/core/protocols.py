@@ -4,7 +4,7 @@ and what each one's absence means.
 Nothing needs to subclass anything (wrap, don't subclass): a model or a policy declares an optional member by having
 it, and every reader (the loop, the rules, calibration, the costs, the objectives, export and the backends) looks it
 up with :func:`member`, the one place that does, so a default is written here and nowhere else. A stop rule's
-optional members are those of :class:`~learn2stop.core.loop.StopRule`, with their defaults there.
+optional members are those of :class:`~learn2stop.core.stop_rule.StopRule`, with their defaults there.
 
 The model's optional members:
 
@@ -27,6 +27,11 @@ The policy's optional members:
   None: the rule takes the argmax of ``plan_log_q`` itself;
 - ``auxiliary_loss``: ``auxiliary_loss(inputs, target) -> scalar or None``, what a part of the policy learns from the
   targets besides the stop (MAML's posterior-mean estimate), added to its stage's loss; absent: none.
+
+The training task's optional member:
+
+- ``stop_loss_fn``: ``stop_loss_fn(output, target) -> (B,)``, the loss whose oracle Stage II's policy fits and is
+  selected on; absent: its ``loss_fn``.
 """
 from __future__ import annotations
 
@@ -37,11 +42,13 @@ MODEL_MEMBERS: dict[str, Any] = {"exit_costs": None, "fixed_exit_costs": None}
 #: the optional members of a stopping policy and their defaults (see the module's text)
 POLICY_MEMBERS: dict[str, Any] = {"min_step": 1, "plan_step": None, "plan_log_q": None, "replan_step": None,
                                   "priced_plan": None, "priced_replan": None, "auxiliary_loss": None}
-OPTIONAL_MEMBERS: dict[str, Any] = {**MODEL_MEMBERS, **POLICY_MEMBERS}
+#: the optional members of a training task (:class:`~learn2stop.core.trainer.TrainingTask`) and their defaults
+TASK_MEMBERS: dict[str, Any] = {"stop_loss_fn": None}
+OPTIONAL_MEMBERS: dict[str, Any] = {**MODEL_MEMBERS, **POLICY_MEMBERS, **TASK_MEMBERS}
 
 
 def member(obj: Any, name: str) -> Any:
-    """The optional member ``name`` of a model or a policy (:data:`OPTIONAL_MEMBERS`), or what its absence means
+    """The optional member ``name`` of a model, a policy or a training task (:data:`OPTIONAL_MEMBERS`), or what its absence means
     (also for ``obj`` None: no policy); a name not declared here is a KeyError, so that no reader invents one."""
     default = OPTIONAL_MEMBERS[name]
     return default if obj is None else getattr(obj, name, default)

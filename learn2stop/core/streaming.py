@@ -39,7 +39,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
-from .loop import StepView, _readout, _step, as_stop_rule, check_stepwise
+from .steps import check_stepwise, read_out, take_step
+from .stop_rule import StepView, as_stop_rule
 from .trees import batch_size, check_batch_first, check_inputs, tree_cat, tree_leaves, tree_map, tree_select
 
 
@@ -345,7 +346,7 @@ class StreamingRunner:
                 planned = self._checked_plan(rule.plan(StepView(0, T, c.inputs, None, None, None, c.slots)), c, 1)
             state = model.initial_state(c.inputs)
         previous = c.output
-        state, output = _step(model, t, state, c.inputs, read=t in self.reads)
+        state, output = take_step(model, t, state, c.inputs, read=t in self.reads)
         c = _Chunk(c.ids, c.slots, c.inputs, state, output, planned, c.arrived)
         bad = None
         if t == T:
@@ -394,7 +395,7 @@ class StreamingRunner:
     def _read(self, c: _Chunk, t: int) -> _Chunk:
         """``c`` with its output at step t: planned requests are read out at their stop step only."""
         if c.output is None:
-            c = _Chunk(c.ids, c.slots, c.inputs, c.state, _readout(self.model, t, c.state, c.inputs), c.planned,
+            c = _Chunk(c.ids, c.slots, c.inputs, c.state, read_out(self.model, t, c.state, c.inputs), c.planned,
                        c.arrived)
         return c
 

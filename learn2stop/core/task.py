@@ -12,12 +12,14 @@ import torch
 from ..runtime.registry import get_rule, list_rules
 from ..utils.config import ConfigError
 from ..utils.distributed import DistContext
-from .calibration import (Calibration, InferenceConfig, policy_rules)
+from .calibration_file import Calibration
+from .inference import InferenceConfig, policy_rules
 from .trace import Metric, Trace, collect_trace
 from .model import StoppingModel
 from .trees import tree_cat, tree_leaves
 from .objectives import MethodConfig, StageConfig
-from .rules import SIGNALS, StopSignal, make_signal
+from .signal_registry import SIGNALS, make_signal
+from .signals import StopSignal
 
 
 
@@ -241,7 +243,7 @@ def calibrated_rule(app: StoppingApp, cfg: Any, sm: StoppingModel, cal: Calibrat
 
 def signal_key(app: StoppingApp, cfg: Any, rule: str) -> Any:
     """The part of the output a rule reads as the task builds it (:func:`rule_signal`; None: the default part), for
-    the rules built by name elsewhere (:func:`~learn2stop.core.calibration.active_rule`, ``InferenceConfig``)."""
+    the rules built by name elsewhere (:func:`~learn2stop.core.inference.active_rule`, ``InferenceConfig``)."""
     if SIGNALS[rule].needs_policy:
         return None
     return getattr(rule_signal(app, cfg, None, rule), "key", None)

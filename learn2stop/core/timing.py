@@ -10,7 +10,8 @@ from typing import Any, Callable
 
 import torch
 
-from .loop import _first, _step, run_with_early_exit
+from .loop import run_with_early_exit
+from .steps import first_call, take_step
 from .trees import tree_leaves, tree_map
 
 #: a curve point's speeds: samples per second at batch 1 and at the large batch
@@ -105,12 +106,12 @@ def measure_exit_costs(model: Any, inputs: Any, repeats: int = 5) -> list[float]
     best = [math.inf] * T
     with torch.inference_mode():
         for rollout in range(repeats + 1):  # rollout 0 warms up
-            state = _first(model.initial_state, model, inputs)
+            state = first_call(model.initial_state, model, inputs)
             for t in range(1, T + 1):
                 if cuda:
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                state, _ = _step(model, t, state, inputs)
+                state, _ = take_step(model, t, state, inputs)
                 if cuda:
                     torch.cuda.synchronize()
                 if rollout:

@@ -18,7 +18,8 @@ from torch import Tensor
 
 from .distributions import exit_costs, fixed_depth_costs
 from .loop import run_with_early_exit, unroll
-from .rules import StopSignal, reads_at_stop_alone, signal_trace
+from .rules import reads_at_stop_alone, signal_trace
+from .signals import StopSignal
 from .trees import tree_map
 
 

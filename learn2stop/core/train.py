@@ -11,7 +11,8 @@ from ..utils.config import ConfigError
 from ..utils.report import write_json
 from .model import StoppingModel
 from .objectives import MethodConfig, StageConfig
-from .trainer import StagedTrainer, load_finished_stage
+from .stage_checkpoints import load_finished_stage
+from .trainer import StagedTrainer
 from .task import Run, StoppingApp, check_config
 
 

@@ -18,9 +18,6 @@ written atomically every ``checkpoint_every`` iterations, so a kill loses at mos
 from __future__ import annotations
 
 import math
-import os
-import re
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable, Protocol
@@ -35,13 +32,14 @@ from ..utils.report import append_jsonl
 from ..utils.seeding import derive_seed
 from ..utils.rundir import truncate_metrics
 from ..utils.distributed import DistContext
-from .calibration import InferenceConfig
-from .distributions import exit_costs
 from .fastpath import flush_denormals_
+from .inference import InferenceConfig
 from .model import StoppingModel
-from .trees import tree_map
 from .objectives import NonFiniteError, StageConfig, StageObjective
-from .rules import first_crossing, signal_trace
+from .protocols import member
+from .stage_checkpoints import WeightAverage, check_stage_name, check_writable, same_stage_config
+from .trees import tree_map
+from .validation import validation_scores
 
 
 class TrainingTask(Protocol):
@@ -55,134 +53,12 @@ class TrainingTask(Protocol):
 def stage_loss_fn(task: Any, cfg: StageConfig):
     """The per-sample loss a stage's objective weighs: the task's ``stop_loss_fn`` for Stage II (when it has
     one), else its ``loss_fn``."""
-    stop = getattr(task, "stop_loss_fn", None)
+    stop = member(task, "stop_loss_fn")
     return stop if (stop is not None and cfg.objective == "stage2") else task.loss_fn
-
-
-def check_stage_name(name: Any) -> None:
-    """A stage name is a plain file name (``checkpoints/<name>.pt``): letters, digits, ``_ - .``, no path."""
-    if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}", name)):
-        raise ValueError(f"stage name: must be a plain name of letters, digits, '_', '-' or '.' (it names "
-                         f"checkpoints/<name>.pt), without a path; got {name!r}")
-
-
-def check_writable(folder: Path) -> None:
-    """Create and remove a file in ``folder``: a real test (os.access says yes to root on a read-only mount)."""
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".write-test.", suffix=".tmp", dir=folder)
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as e:
-        raise OSError(f"cannot write checkpoints to {folder} ({e.strerror or e}); make it writable or use another "
-                      f"--run-dir (nothing was changed)") from None
-
-
-def load_finished_stage(module: nn.Module, checkpoint_dir: str | Path, stage: str, map_location: Any = "cpu") -> dict:
-    """Load the selected weights of a finished stage from ``<checkpoint_dir>/<stage>.pt`` into ``module``.
-
-    Returns the stage's training summary. Raises CheckpointError, naming the file, if it is missing,
-    corrupt, from an unfinished stage, or does not fit ``module``.
-    """
-    path = Path(checkpoint_dir) / f"{stage}.pt"
-    ck = load_checkpoint(path, map_location=map_location)
-    if not ck.get("completed"):
-        raise CheckpointError(f"{path} is from an unfinished stage {stage!r}; run the train command again (it resumes)")
-    try:
-        module.load_state_dict(ck["weights"])
-    except (KeyError, RuntimeError) as e:
-        raise CheckpointError(f"{path} does not fit the configured model: {e}") from None
-    return ck.get("summary", {})
-
-
-@torch.no_grad()
-def validation_scores(sm: StoppingModel, batches: Iterable[tuple[Any, Any]], loss_fn,
-                      inference: InferenceConfig | None = None, seed: int = 0, price: float = 0.0) -> dict[str, float]:
-    """Mean validation loss at the last step, at the best step (oracle), and with early exit by the
-    policy under ``inference``: the same rule evaluation uses (default: :class:`InferenceConfig`).
-
-    With a ``price`` on computation, the oracle and policy scores are the priced objective
-    loss + price * c_t (c_t: the model's normalised cost of stopping at t), so that selection does not
-    favour never stopping.
-    """
-    inference = inference or InferenceConfig()
-    costs = exit_costs(sm.model) * price if price else None
-    was_training = sm.training
-    sm.eval()
-    totals: dict[str, float] = {"last": 0.0, "oracle": 0.0, "policy": 0.0, "depth": 0.0}
-    n = 0
-    gen = torch.Generator().manual_seed(seed)
-    for inputs, target in batches:
-        # One full rollout scores all three: early exit returns exactly the full-depth output at
-        # the rule's stop time, so its loss is read off the per-step losses.
-        r = sm.unroll(inputs, target, loss_fn, keep_outputs=not inference.uses_policy)
-        b = r.losses.shape[0]
-        totals["last"] += float(r.losses[:, -1].sum())
-        priced = r.losses if costs is None else r.losses + costs.to(r.losses)[None]
-        totals["oracle"] += float(priced.min(dim=1).values.sum())
-        if sm.policy is not None:
-            if inference.uses_policy:
-                stop = inference.stop_times(r, gen)
-            else:
-                signal = inference.signal(sm.policy)
-                stop = first_crossing(signal_trace(signal, r.step_outputs, inputs), signal.from_param(inference.param))
-            totals["policy"] += float(priced.gather(1, stop[:, None] - 1).sum())
-            totals["depth"] += float(stop.float().sum())
-        n += b
-    sm.train(was_training)
-    if n == 0:
-        raise ValueError("the validation set is empty: validation_batches() yielded no samples, so no weights "
-                         "can be selected; give it data or set select: none")
-    out = {k: v / n for k, v in totals.items()}
-    bad = [k for k, v in out.items() if not math.isfinite(v)]
-    if bad:
-        raise FloatingPointError(f"validation scores {', '.join(bad)} are NaN or inf: the model's outputs or the "
-                                 f"loss are not finite on the validation set")
-    if sm.policy is None:
-        out.pop("policy"), out.pop("depth")
-    return out
 
 
 #: the StoppingModel's attributes a stage trains, by ``StageConfig.trains``
 TRAINED_PARTS = {"model": ("model",), "policy": ("policy",), "both": ("model", "policy")}
-
-
-class WeightAverage:
-    """An exponential moving average of a stage's trained tensors: its parameters and float buffers.
-
-    ``tensors`` are the live tensors by name (entries of the model's ``state_dict(keep_vars=True)``);
-    :meth:`update` moves the average towards them (once per training step), :meth:`swap` exchanges the two
-    in place (twice: back).
-    """
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.names = [k for k, v in tensors.items() if v.is_floating_point()]
-        self._live = [tensors[k].detach() for k in self.names]  # views of the model's storage
-        self._avg = [v.clone() for v in self._live]
-
-    @torch.no_grad()
-    def update(self, decay: float) -> None:
-        torch._foreach_lerp_(self._avg, self._live, 1.0 - decay)
-
-    @torch.no_grad()
-    def swap(self) -> None:
-        kept = [v.clone() for v in self._live]
-        torch._foreach_copy_(self._live, self._avg)
-        torch._foreach_copy_(self._avg, kept)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in zip(self.names, self._avg)}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if set(state) != set(self.names):
-            raise CheckpointError("the checkpoint's weight average does not fit this model's trained tensors")
-        torch._foreach_copy_(self._avg, [state[k] for k in self.names])
-
-
-def same_stage_config(stored: Any, cfg: StageConfig) -> bool:
-    """Whether a checkpoint's stage config is ``cfg``'s (field for field: a checkpoint of another format is refused
-    when it is loaded, so both sides have the same fields)."""
-    return isinstance(stored, dict) and stored == to_dict(cfg)
 
 
 class StagedTrainer:
@@ -210,6 +86,7 @@ class StagedTrainer:
         self.progress = progress
         self.resume = resume
         self.ckpt_dir = self.run_dir / "checkpoints"
+        self._user_flags: list[tuple[nn.Parameter, bool]] = []  # each parameter's requires_grad before the stage
         if self.ctx.is_main:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
 
@@ -221,7 +98,8 @@ class StagedTrainer:
     def _trainable(self, cfg: StageConfig) -> list[nn.Parameter]:
         """The stage's parameters (those of its trained parts the user has not frozen), the only ones left with
         ``requires_grad``; the user's own flags come back after the stage (:meth:`_restore_flags`)."""
-        parts = [getattr(self.sm, name) for name in TRAINED_PARTS[cfg.trains]]
+        modules = {"model": self.sm.model, "policy": self.sm.policy}
+        parts = [modules[name] for name in TRAINED_PARTS[cfg.trains]]
         if any(p is None for p in parts):
             raise ValueError(f"stage objective {cfg.objective!r} trains the policy, but the StoppingModel has none")
         self._user_flags = [(p, p.requires_grad) for p in self.sm.parameters()]
@@ -240,7 +118,7 @@ class StagedTrainer:
 
     def _restore_flags(self) -> None:
         """Give every parameter back the ``requires_grad`` it had before the stage."""
-        for p, wants in getattr(self, "_user_flags", ()):
+        for p, wants in self._user_flags:
             p.requires_grad_(wants)
 
     def _set_modes(self, cfg: StageConfig) -> None:

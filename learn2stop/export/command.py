@@ -16,7 +16,7 @@ from .graphs import export_stop_model
 
 def export_command(app: Any, cfg: Any, run: Any, *, out: str | None, task: str = "custom") -> dict:
     """``learn2stop <task> export --run-dir R --out DIR``: the run's stop model and deployed rule as ONNX."""
-    from ..core.calibration import load_calibration
+    from ..core.calibration_file import load_calibration
     from ..core.deploy import served_baseline
     from ..core.task import require_trained
     from ..core.train import load_stage

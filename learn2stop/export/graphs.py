@@ -19,10 +19,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..core.calibration import Calibration, InferenceConfig
-from ..core.loop import NEVER_STOP_LOGIT, check_stepwise
+from ..core.calibration_file import Calibration
+from ..core.inference import InferenceConfig
+from ..core.policy_calls import NEVER_STOP_LOGIT
+from ..core.steps import check_stepwise
 from ..core.protocols import member
-from ..core.rules import SIGNALS, DepthSignal
+from ..core.signal_registry import SIGNALS
+from ..core.signals import DepthSignal
 from ..core.trees import check_inputs
 from ..runtime.manifest import FORMAT, FORMAT_VERSION, sha256_file
 from ..runtime.registry import list_rules

@@ -7,7 +7,7 @@ from torch import nn
 from learn2stop.core import Metric
 from learn2stop.core.curves import budget_curve, extend_below, fastest_at_quality, speed_at_quality
 from learn2stop.core.frontier_report import _time_table
-from learn2stop.core.rules import make_signal
+from learn2stop.core.signal_registry import make_signal
 from learn2stop.core.trace import Trace
 
 

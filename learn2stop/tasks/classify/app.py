@@ -25,7 +25,7 @@ from torch import nn
 
 from ...core import Metric, StageConfig, StoppingModel, derive_seed
 from ...core.policies import ExitPolicy
-from ...core.rules import ConfidenceSignal, EntropySignal, PatienceSignal
+from ...core.signals import ConfidenceSignal, EntropySignal, PatienceSignal
 from ...core.task import Stage, StoppingApp
 from ...utils.config import ConfigError
 from .config import ClassifyConfig

@@ -11,7 +11,8 @@ from torch import Tensor
 from ...core.calibration import calibrate_budget
 from ...core.deploy import deployed_model, deployed_rule, served_baseline
 from ...core.loop import run_with_early_exit
-from ...core.rules import SIGNALS, first_crossing, reads_at_stop_alone
+from ...core.signal_registry import SIGNALS
+from ...core.rules import first_crossing, reads_at_stop_alone
 from ...core.task import check_config, stop_model_trace
 from ...core.trace import collect_trace, evaluate_rule
 from ...core.train import load_stage

@@ -22,7 +22,7 @@ import torch
 from ...core import Metric, StoppingModel, derive_seed
 from ...core.task import Stage, StoppingApp, check_config
 from ...core.train import min_step_hook
-from ...core.rules import ToleranceSignal
+from ...core.signals import ToleranceSignal
 from ...utils.config import to_dict
 from ...utils.seeding import drawing_from
 from ..base import RunContext, TaskSpec, register_task, reproduce_pipeline, train_pipeline

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ...core import Metric, StoppingModel, ToleranceSignal
-from ...core.rules import PatienceSignal
+from ...core.signals import PatienceSignal
 from ...core.task import Stage, StoppingApp
 from ...utils.config import to_dict
 from ...utils.seeding import derive_seed

@@ -6,7 +6,7 @@ import torch
 from learn2stop.core import StageConfig, StageObjective, StagedTrainer, StopAtTimes, StoppingModel, run_with_early_exit
 from learn2stop.core.distributions import oracle_distribution, sample_stop_time, log_oracle_distribution
 from learn2stop.core.losses import stage1_marginal_loss
-from learn2stop.core.trainer import validation_scores
+from learn2stop.core.validation import validation_scores
 from learn2stop.tasks.maml.memory import graph_bytes, graph_saved_bytes
 from learn2stop.tasks.maml.learner import MLP, MAMLModel
 from learn2stop.tasks.maml.samplers import SinusoidSampler

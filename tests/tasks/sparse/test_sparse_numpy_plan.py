@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from learn2stop.core import SignalRule, run_with_early_exit, unroll
-from learn2stop.core.loop import StepView
-from learn2stop.core.rules import PriceSignal, make_signal
+from learn2stop.core.stop_rule import StepView
+from learn2stop.core.policy_signals import PriceSignal
+from learn2stop.core.signal_registry import make_signal
 from learn2stop.tasks.sparse import LISTA
 from learn2stop.core.fastpath import NUMPY_MAX_BATCH, torch_only
 from learn2stop.tasks.sparse.numpy_plan import _state_norms_np
