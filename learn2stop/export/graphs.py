@@ -38,8 +38,8 @@ from .folder import ExportError, check_out_dir, export_mismatch, write_manifest
 def rule_spec(rule: Any, source: str = "") -> dict:
     """The deployed rule as the manifest records it: ``{"name", "param", "threshold", "source"}``.
 
-    ``rule`` is an :class:`~learn2stop.core.calibration.InferenceConfig`, a
-    :class:`~learn2stop.core.calibration.Calibration`, or a dict ``{"name": ..., "param": ...}``
+    ``rule`` is an :class:`~learn2stop.core.inference.InferenceConfig`, a
+    :class:`~learn2stop.core.calibration_file.Calibration`, or a dict ``{"name": ..., "param": ...}``
     (``{"name": "fixed", "param": d}`` stops every sample at step d). ``threshold`` is in the rule's
     score units (what the online rule compares with; see :mod:`learn2stop.core.rules`).
     """

@@ -36,7 +36,7 @@ class RuleEntry:
         offered_by: one of :data:`OFFERED_BY`.
         plans: it reads a planned q_phi (needs a policy with ``plan_step``).
         runtime: the deployed runtime runs it (its numpy rule is attached; a test checks the claim).
-        signal: the torch :class:`~learn2stop.core.rules.StopSignal` class, attached by core.
+        signal: the torch :class:`~learn2stop.core.signals.StopSignal` class, attached by core.
         numpy_rule: the numpy :class:`~learn2stop.runtime.rules.Rule` class, attached by the runtime.
     """
 

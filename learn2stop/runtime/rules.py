@@ -12,7 +12,7 @@ the manifest's threshold (score units, as :class:`~learn2stop.core.rules.SignalR
 
 A planning policy (``plan_step``) gives all its logits at once: the same scores over the plan fix each
 row's stop step there; one that plans again (``replan_step``) gives the rows still running a second
-(B, T) log q_phi there, which the price rule reads as :meth:`~learn2stop.core.rules.PriceSignal.replan_times`. Arithmetic is float32, as in torch, so stop times match the torch loop.
+(B, T) log q_phi there, which the price rule reads as :meth:`~learn2stop.core.policy_signals.PriceSignal.replan_times`. Arithmetic is float32, as in torch, so stop times match the torch loop.
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ class QuantileRule(Rule):
 
 class PriceRule(Rule):
     """A planning policy's q_phi re-priced (stop at argmax_t log q_phi(t) - price * t / T), as
-    :class:`~learn2stop.core.rules.PriceSignal`: score_t = -min_{s<=t} max_{s'>t} (log q(s') - log q(s)) / (c_s' - c_s)."""
+    :class:`~learn2stop.core.policy_signals.PriceSignal`: score_t = -min_{s<=t} max_{s'>t} (log q(s') - log q(s)) / (c_s' - c_s)."""
 
     def decide(self, t, output, logit):
         raise ValueError("the price rule reads a planned q_phi: it needs a planning policy (one with plan_step)")

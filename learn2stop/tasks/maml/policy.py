@@ -84,15 +84,12 @@ class MAMLStopPolicy(nn.Module):
     -> Linear(3 * dim + 3 (+1) (+2), 128) -> ELU -> Linear(128, 1). ``inputs="scalars"``: the scalars alone, no set
     embedding -> Linear(3 (+1) (+2), 128) -> ELU -> Linear(128, 1).
 
-    Why joint: on the quick sinusoid preset, at 3 inner steps, the joint policy's quantile rule reaches 1.545 expected
-    query MSE where the release's (query features alone and residuals alone, each element without its features)
-    reached 1.594, a fixed depth 1.687, and a stop that knows the task family (the
-    least posterior expected query MSE of each step's function given the support) 1.385
-    (``benchmarks/maml_sinusoid_bound.py``, docs/maml.md).
+    Why joint: each set element is read with its features, so the embedding sees how well the step fits each
+    support point and where each query point lies (``benchmarks/maml_sinusoid_bound.py`` compares the policy with a
+    stop that knows the task family).
 
     Why scalars (the quick preset's, with the kept answer): once the policy reads the distances to the posterior-mean
-    estimate, the set embeddings add little (quantile rules within 0.005 query MSE at 3-5 steps, Stage II retrained
-    both ways on one Stage I) and cost most of the call (1.2 ms at 100 tasks, one thread, against 0.18 without them): docs/maml.md.
+    estimate, the set embeddings add little and cost most of the call.
 
     Args:
         feat_dim: the learner's feature size D. out_dim: its output size (N classes, or 1).

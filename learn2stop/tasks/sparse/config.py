@@ -246,15 +246,15 @@ PRESETS: dict[str, dict] = {
         # late enough that the residual shows the noise level, early enough for every budget from 30 %. The
         # price rule re-prices that one plan for any budget (price 0: q_phi's most likely step).
         # ... and planned once more, for the samples still running, where the oracle has 30 % of its mass before
-        # (step 10): from the last move, the tolerance test's own signal, which the plan at step 5 cannot see
-        # (docs/sparse.md). --policy.replan_mass 0 gives one plan.
+        # (step 10): from the last move, the tolerance test's own signal, which the plan at step 5 cannot see.
+        # --policy.replan_mass 0 gives one plan.
         "policy": {"min_mass": 0.02, "replan_mass": 0.3},
         "inference": {"rule": "price", "param": 0.0},
     },
 }
-# The paper's problem at Table 1's accuracy on 2 CPU cores (issue 10): 66 min measured, all stages and baselines:
+# The paper's problem at Table 1's accuracy on 2 CPU cores, all stages and baselines in about an hour:
 # - LISTA: batch 512, Adam 1e-3 with cosine decay, 12k iterations. Length is what the 1500 iterations of
-#   ``fast`` lacked: 13k such iterations reach -23.1 dB mixed (H200 sweep; lr 2e-3 diverges, 5e-4 is slower).
+#   ``fast`` lacked (a larger rate diverges, a smaller one is slower).
 # - Stage I from LISTA's weights, marginal form, beta 0.05: a sharp oracle lets the steps specialise by noise
 #   level (SNR 20's best step moves to ~15 while the last steps sharpen for SNR 30/40).
 # - ``lista_equal``: LISTA trained on for Stage I's iterations, the baseline at LISTA-stop's theta budget.

@@ -1,10 +1,8 @@
 """The depth planner's numpy copy, for the price rule's plans of small batches at inference.
 
-The price rule's plans of a small batch (:func:`~learn2stop.core.fastpath.numpy_eligible`) run in numpy. A plan in
-torch is some 25 small operations, each paying its dispatch: at batch 1 on the quick problem about 0.11 ms, four
-LISTA steps, where numpy takes about 0.04 ms (each alone, in a loop); inside a rollout both cost more (most likely
-the steps between evict them from the caches), and the deployed rollout ran 0.74-0.80x LISTA-16's speed against
-0.63-0.68x with torch plans (``benchmarks/sparse_planner_cost.py``, docs/sparse.md).
+The price rule's plans of a small batch (:func:`~learn2stop.core.fastpath.numpy_eligible`) run in numpy: a plan in
+torch is some 25 small operations, each paying its dispatch, which at batch 1 costs more than the arithmetic
+(``benchmarks/sparse_planner_cost.py`` times both forms side by side).
 """
 from __future__ import annotations
 

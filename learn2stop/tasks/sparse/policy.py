@@ -138,11 +138,8 @@ class SparseDepthPlanner(MinStep, nn.Module):
 
     Its inputs, computed once per sample: four statistics with no product with A: log ||x_s||_1, log ||x_s||_2, the
     support fraction of x_s (from the shrinkage the step just did) and log ||y||, standardised by the statistics of
-    the training batches. A few reductions over x_s: about a tenth of a LISTA step at batch 1000, where statistics
-    of the residual y - A x_s and the gradient A^T r cost 0.8 of one. Fitted offline on the quick and ``paper-cpu``
-    runs they plan within 0.02 dB of residual-statistics plans at 50-90 % of the steps (and up to 0.04 below a
-    residual refit of the same kind: docs/sparse.md); trained by Stage II, from 0.005 dB below to 0.06 above them
-    at 40-90 % (docs/sparse.md).
+    the training batches. A few reductions over x_s, a small fraction of a LISTA step, where statistics of the
+    residual y - A x_s and the gradient A^T r would cost two products with A: they plan about as well.
 
     Returns the (B, T-1) stop logits of steps 1..T-1 that induce the planned q_phi
     (:func:`~learn2stop.core.distributions.stop_logits_from_distribution`), so every Stage II loss and
@@ -173,8 +170,7 @@ class SparseDepthPlanner(MinStep, nn.Module):
         self.plan_norm = nn.BatchNorm1d(self.in_dim, affine=False, momentum=0.01)
         self.net = _mlp(self.in_dim, hidden, num_steps)
         # the second head: steps s2..T from the state at s2. Its inputs are standardised by the statistics of the
-        # training batches (theta is frozen in Stage II, so they do not drift): on the quick problem, Stage II
-        # without it came out 0.03-0.09 dB lower at 70-90 % of the steps (docs/sparse.md).
+        # training batches (theta is frozen in Stage II, so they do not drift); without it the second plan fits worse.
         self.replan_norm = nn.BatchNorm1d(self.replan_dim, affine=False, momentum=None) if replan else None
         self.replan_net = _mlp(self.replan_dim, hidden, num_steps) if replan else None  # read from s2 on
         self._numpy = NumpyCopies()  # of the heads, for small batches at inference
