@@ -30,6 +30,21 @@ def randomise(module: nn.Module, seed: int, scale: float = 1.0) -> None:
         p.data = torch.randn(p.shape, generator=g) * scale
 
 
+
+def sketch_lista(samples: int):
+    """A 7-step LISTA on a 13x27 problem with a random per-step sketch policy asked from step 2, in eval mode, and
+    ``samples`` measurements drawn after it from the same generator: (stop model, (samples, 13) inputs)."""
+    from learn2stop.core.model import StoppingModel
+    from learn2stop.tasks.sparse.models import LISTA
+    from learn2stop.tasks.sparse.policy import SparseStopPolicy
+
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(13, 27, generator=g) / 13 ** 0.5
+    policy = SparseStopPolicy(A, 7, "sketch", 4, (8,))
+    randomise(policy, 1)
+    policy.min_step = 2
+    return StoppingModel(LISTA(A, 7), policy).eval(), torch.randn(samples, 13, generator=g)
+
 @pytest.fixture(scope="module")
 def tiny_lista():
     """A 7-step LISTA on a 13x27 problem, a per-step sketch policy asked from step 2, a depth planner that plans

@@ -13,7 +13,7 @@ from torch import nn
 pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from conftest import randomise  # noqa: E402
+from conftest import randomise, sketch_lista  # noqa: E402
 from learn2stop.cli import main  # noqa: E402
 from learn2stop.core.inference import InferenceConfig
 from learn2stop.core.model import StoppingModel  # noqa: E402
@@ -21,19 +21,11 @@ from learn2stop.export import ExportError, export_stop_model  # noqa: E402
 from learn2stop.runtime import ManifestError, load  # noqa: E402
 from learn2stop.tasks.classify.models import build_network  # noqa: E402
 from learn2stop.core.policies import ExitPolicy  # noqa: E402
-from learn2stop.tasks.sparse.models import LISTA  # noqa: E402
-from learn2stop.tasks.sparse.policy import SparseStopPolicy  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def sparse_sm():
-    g = torch.Generator().manual_seed(0)
-    A = torch.randn(13, 27, generator=g) / 13 ** 0.5
-    policy = SparseStopPolicy(A, 7, "sketch", 4, (8,))
-    randomise(policy, 1)
-    policy.min_step = 2
-    y = torch.randn(96, 13, generator=g)
-    return StoppingModel(LISTA(A, 7), policy).eval(), y
+    return sketch_lista(96)
 
 
 @pytest.fixture(scope="module")

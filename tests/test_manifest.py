@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from conftest import randomise
+from conftest import sketch_lista
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,18 +22,11 @@ from learn2stop.core.model import StoppingModel
 from learn2stop.export import ExportError, export_stop_model
 from learn2stop.runtime import ManifestError, load
 from learn2stop.runtime.manifest import MANIFEST, canonical_bytes, seal, sha256_file
-from learn2stop.tasks.sparse.models import LISTA
-from learn2stop.tasks.sparse.policy import SparseStopPolicy
 
 
 @pytest.fixture(scope="module")
 def sparse():
-    g = torch.Generator().manual_seed(0)
-    A = torch.randn(13, 27, generator=g) / 13 ** 0.5
-    policy = SparseStopPolicy(A, 7, "sketch", 4, (8,))
-    randomise(policy, 1)
-    policy.min_step = 2
-    return StoppingModel(LISTA(A, 7), policy).eval(), torch.randn(40, 13, generator=g)
+    return sketch_lista(40)
 
 
 @pytest.fixture(scope="module")
