@@ -93,7 +93,7 @@ class RunLock:
             return None
 
     def _holder(self) -> str:
-        """'pid 123 on host (command 'train', since 2025-01-01T10:00:00)' from the lock file."""
+        """'pid 123 on host (command 'train', since <ISO time>)' from the lock file."""
         try:
             info = json.loads(self.path.read_text() or "{}")
         except (OSError, ValueError):
