@@ -50,6 +50,12 @@ class SignalRule(StopRule):
         """Stop times of the samples still running at the signal's ``replan_step``, from its second plan."""
         return self.signal.replan_times(view, self.threshold)
 
+    def check_model(self, model: Any) -> None:
+        """The signal's refusal of a model it cannot read (its ``check_model``, if it has one)."""
+        check = getattr(self.signal, "check_model", None)
+        if callable(check):
+            check(model)
+
     @classmethod
     def from_param(cls, signal: Any, param: float) -> "SignalRule":
         return cls(signal, signal.from_param(param))

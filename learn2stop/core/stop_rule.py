@@ -88,6 +88,10 @@ class StopRule:
     def replan(self, view: StepView) -> Tensor:
         raise TypeError(f"{type(self).__name__} has a replan_step but no replan(view)")
 
+    def check_model(self, model: Any) -> None:
+        """Refuse, once before the first step (the loop, the stream), a model this rule cannot read, by what the
+        model declares (:data:`~learn2stop.core.protocols.MODEL_MEMBERS`); the default reads anything."""
+
     @property
     def first_ask(self) -> int:
         """The first step the loop consults the rule at: its plan step, else its first step."""
@@ -141,6 +145,11 @@ class _Declared(StopRule):
 
     def replan(self, view: StepView) -> Tensor:
         return self.rule.replan(view)
+
+    def check_model(self, model: Any) -> None:
+        check = getattr(self.rule, "check_model", None)
+        if callable(check):
+            check(model)
 
 
 def as_stop_rule(rule: Any) -> StopRule:

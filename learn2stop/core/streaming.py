@@ -190,6 +190,7 @@ class StreamingRunner:
                  clock: Callable[[], float] = time.perf_counter):
         check_stepwise(model)
         rule = as_stop_rule(rule)
+        rule.check_model(model)
         for name, v in (("max_batch", max_batch), ("capacity", capacity)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {v!r}")
