@@ -89,6 +89,12 @@ class SignalRule(StopRule):
         t, score = next((t, s) for t, s in asked if bool(torch.isnan(s).any()))
         return t, int(torch.isnan(score).sum()), score.numel()
 
+    def nan_rows(self) -> Tensor | None:
+        """Which rows' policy scores were NaN at the last call (no host sync), taking what :meth:`nan_scores`
+        would read; None: no policy scores kept since it was last read."""
+        asked, self._asked = self._asked, []
+        return torch.isnan(asked[-1][1]) if asked else None
+
 
 # ----------------------------------------------------------------------------- the basic rules
 
