@@ -196,24 +196,27 @@ def test_a_request_the_model_raises_for_fails_alone_and_the_tick_finishes_the_ot
         torch.testing.assert_close(runner.finished[ids[i]].output, alone.outputs)
 
 
-@pytest.mark.parametrize("planned", [False, True], ids=["per-step", "planned"])
-def test_a_policy_that_scores_a_request_nan_fails_that_request_not_runs_it_to_full_depth(tiny_lista, planned):
-    """A NaN stop logit is no decision: a per-step policy's (seen in its rule's last_probs) and a planning policy's
-    (which the loop refuses for the whole batch) fail the request they scored, alone."""
+@pytest.mark.parametrize("kind", ["per-step", "planned", "quantile"])
+def test_a_policy_that_scores_a_request_nan_fails_that_request_not_runs_it_to_full_depth(tiny_lista, kind):
+    """A NaN stop logit is no decision: a per-step policy's, a planning policy's (which the loop refuses for the
+    whole batch) and a quantile rule's (whose NaN score the loop refuses, StopRule.nan_rows) fail the request they
+    scored, alone."""
     model, policy, planner, x = tiny_lista
     x = x[:6].clone()
     x[3, 0] = NAN_MARK
-    rule = PolicyRule(NaNForMarked(planner if planned else policy), threshold=0.3 if planned else 0.4)
-    runner = StreamingRunner(model, rule, max_batch=6, capacity=6)
+    make = {"per-step": lambda p: PolicyRule(p, threshold=0.4), "planned": lambda p: PolicyRule(p, threshold=0.3),
+            "quantile": lambda p: SignalRule(QuantileSignal(p), QuantileSignal.from_param(0.5))}[kind]
+    used = planner if kind == "planned" else policy
+    runner = StreamingRunner(model, make(NaNForMarked(used)), max_batch=6, capacity=6)
     ids = [runner.submit(x[i:i + 1]) for i in range(6)]
     runner.run_until_idle()
     assert runner.free_slots == 6 and len(runner.finished) == 6
     bad = runner.finished[ids[3]]
-    assert not bad.ok and bad.step == (planner.plan_step if planned else policy.min_step)
+    assert not bad.ok and bad.step == (planner.plan_step if kind == "planned" else policy.min_step)
     assert "NaN" in str(bad.error)
     good = [i for i in range(6) if i != 3]
-    ref = run_with_early_exit(model, x[good], PolicyRule(planner if planned else policy,
-                                                         threshold=0.3 if planned else 0.4))
+    ref = run_with_early_exit(model, x[good], make(used))
+    assert sorted(set(ref.stop_times.tolist())) != [model.num_steps]  # the good requests stop at their own steps
     assert [runner.finished[ids[i]].stop_time for i in good] == ref.stop_times.tolist()
     torch.testing.assert_close(torch.cat([runner.finished[ids[i]].output for i in good]), ref.outputs)
 
@@ -237,8 +240,8 @@ _POOL = torch.randn(16, 3, generator=torch.Generator().manual_seed(5))  # the go
 _LISTA_POOL = torch.randn(16, 13, generator=torch.Generator().manual_seed(6))
 RULES = {  # name: (model, the good requests' inputs, the rule, whether its policy's NaN is seen)
     "threshold": (_MODEL, _POOL, lambda: PolicyRule(NaNForMarked(_POLICY), threshold=0.6), True),
-    "quantile-memory": (_MODEL, _POOL, lambda: SignalRule(QuantileSignal(_POLICY), QuantileSignal.from_param(0.5)),
-                        False),
+    "quantile-memory": (_MODEL, _POOL, lambda: SignalRule(QuantileSignal(NaNForMarked(_POLICY)),
+                                                          QuantileSignal.from_param(0.5)), True),
     "fixed3": (_MODEL, _POOL, lambda: FixedDepth(3), False),
     "tolerance": (_MODEL, _POOL, lambda: ToleranceRule(0.3), False),
     "planned": (_LISTA, _LISTA_POOL, lambda: PolicyRule(NaNForMarked(_PLANNER), threshold=0.3), True),

@@ -93,6 +93,8 @@ class ExitNetwork(nn.Module):
         rows_computed: samples times segments computed since the last reset (early exit skips rows).
     """
 
+    outputs_are_logits = True  # every exit reads out class logits (protocols.MODEL_MEMBERS)
+
     def __init__(self, backbone: nn.Module, segments: list, after: list[str], heads: nn.ModuleList,
                  input_shape: tuple[int, ...], input_dtype: torch.dtype, num_classes: int):
         super().__init__()

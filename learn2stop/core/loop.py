@@ -193,6 +193,7 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule | Callable[[Step
     rule = as_stop_rule(rule)
     check_stepwise(model)
     check_model_inputs(model, inputs)
+    rule.check_model(model)
     if compact_every is not None and rule.plan_step is None:
         if record_probs:
             raise ValueError("record_probs=True is not available in device mode (compact_every)")

@@ -50,6 +50,12 @@ class SignalRule(StopRule):
         """Stop times of the samples still running at the signal's ``replan_step``, from its second plan."""
         return self.signal.replan_times(view, self.threshold)
 
+    def check_model(self, model: Any) -> None:
+        """The signal's refusal of a model it cannot read (its ``check_model``, if it has one)."""
+        check = getattr(self.signal, "check_model", None)
+        if callable(check):
+            check(model)
+
     @classmethod
     def from_param(cls, signal: Any, param: float) -> "SignalRule":
         return cls(signal, signal.from_param(param))
@@ -82,6 +88,12 @@ class SignalRule(StopRule):
             return None
         t, score = next((t, s) for t, s in asked if bool(torch.isnan(s).any()))
         return t, int(torch.isnan(score).sum()), score.numel()
+
+    def nan_rows(self) -> Tensor | None:
+        """Which rows' policy scores were NaN at the last call (no host sync), taking what :meth:`nan_scores`
+        would read; None: no policy scores kept since it was last read."""
+        asked, self._asked = self._asked, []
+        return torch.isnan(asked[-1][1]) if asked else None
 
 
 # ----------------------------------------------------------------------------- the basic rules

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..runtime.registry import attach
+from .protocols import member
 from .rules import FixedDepth, SignalRule
 from .stop_rule import StepView
 from .trees import tree_leaves
@@ -159,10 +160,20 @@ class ToleranceSignal(StopsBelow, _Keyed):
 
 class _ClassLogits(_Keyed):
     """A signal that reads a classifier's (batch, classes) logits; anything else (a regressor's output, an image) is
-    refused at the signal's first step of each rollout, with what it got."""
+    refused at the signal's first step of each rollout, with what it got, and a model that declares its outputs are
+    not logits (``outputs_are_logits`` False: a (B, D) regression looks like logits by shape) before its first step
+    (:meth:`check_model`)."""
 
     #: the scores must be floating logits (a softmax reads them); False: any class scores an argmax reads (one-hot)
     needs_float = True
+
+    def check_model(self, model: Any) -> None:
+        """Refuse a model that declares its outputs are not class logits; a ``key`` function makes its own class
+        scores from the output (MAML's one-hot answer step), which the declaration does not cover."""
+        if member(model, "outputs_are_logits") is False and not callable(self.key):
+            raise ValueError(f"the {self.name!r} rule reads a classifier's class logits, and the model "
+                             f"{type(model).__name__} declares its outputs are not logits (outputs_are_logits=False): "
+                             f"use a rule that does not need classes (tolerance, fixed, or a policy rule)")
 
     def logits(self, view: StepView) -> Tensor:
         x = _leaf(view.output, self.key)

@@ -85,8 +85,18 @@ class StopRule:
         NaN stop logits would run it to the last step silently); the loop refuses it."""
         return None
 
+    def nan_rows(self) -> Tensor | None:
+        """The (B_active,) bool rows whose stop scores were NaN at the rule's last call, or None (none kept, or a
+        rule that cannot tell): what the streaming runner reads after each call, where one rollout is many requests
+        (it takes what :meth:`nan_scores` would read at the end of a rollout)."""
+        return None
+
     def replan(self, view: StepView) -> Tensor:
         raise TypeError(f"{type(self).__name__} has a replan_step but no replan(view)")
+
+    def check_model(self, model: Any) -> None:
+        """Refuse, once before the first step (the loop, the stream), a model this rule cannot read, by what the
+        model declares (:data:`~learn2stop.core.protocols.MODEL_MEMBERS`); the default reads anything."""
 
     @property
     def first_ask(self) -> int:
@@ -141,6 +151,19 @@ class _Declared(StopRule):
 
     def replan(self, view: StepView) -> Tensor:
         return self.rule.replan(view)
+
+    def nan_scores(self) -> tuple[int, int, int] | None:
+        read = getattr(self.rule, "nan_scores", None)
+        return read() if callable(read) else None
+
+    def nan_rows(self) -> Tensor | None:
+        read = getattr(self.rule, "nan_rows", None)
+        return read() if callable(read) else None
+
+    def check_model(self, model: Any) -> None:
+        check = getattr(self.rule, "check_model", None)
+        if callable(check):
+            check(model)
 
 
 def as_stop_rule(rule: Any) -> StopRule:

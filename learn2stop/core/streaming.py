@@ -22,7 +22,8 @@ or differ in structure, per-sample shape, dtype or device from the stream's firs
 declared ``input_shape`` / ``input_dtype``), and an ``arrived`` that is not a finite time, not later than the runner's
 clock. What can only fail later fails alone: a step call that raises is run again on each half of its batch, down
 to the request that raises, whose result carries the error (:class:`Finished`); the other requests of the tick go on,
-and its slot comes back. A policy that reports a NaN stop probability (``last_probs``) fails the requests it scored.
+and its slot comes back. A policy rule whose stop scores are NaN (:meth:`~learn2stop.core.stop_rule.StopRule.nan_rows`,
+the quantile's included, or a reported ``last_probs``) fails the requests it scored.
 
 ``benchmarks/streaming.py`` measures throughput and latency under a steady arrival rate against batching at full
 depth and batch-then-shrink.
@@ -190,6 +191,7 @@ class StreamingRunner:
                  clock: Callable[[], float] = time.perf_counter):
         check_stepwise(model)
         rule = as_stop_rule(rule)
+        rule.check_model(model)
         for name, v in (("max_batch", max_batch), ("capacity", capacity)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {v!r}")
@@ -368,9 +370,10 @@ class StreamingRunner:
             if not isinstance(stop, Tensor) or stop.shape != (len(c),) or stop.dtype != torch.bool:
                 raise ValueError(f"a stop rule must return a bool tensor of shape ({len(c)},); got "
                                  + (f"{stop.dtype} {tuple(stop.shape)}" if isinstance(stop, Tensor) else repr(stop)))
-            probs = rule.last_probs  # reported by a policy rule: NaN is no decision
+            probs, nan = rule.last_probs, rule.nan_rows()  # NaN is no decision: a reported prob, a policy's score
             if probs is not before and isinstance(probs, Tensor) and probs.shape == stop.shape:
-                bad = torch.isnan(probs)
+                nan = torch.isnan(probs) if not isinstance(nan, Tensor) else nan | torch.isnan(probs)
+            bad = nan if isinstance(nan, Tensor) and nan.shape == stop.shape else None
         else:
             return None, c, None
         if stop is None:

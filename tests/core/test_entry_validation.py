@@ -170,3 +170,68 @@ def test_patience_reads_integer_votes_and_the_softmax_rules_refuse_them():
     for signal in (ConfidenceSignal(), EntropySignal()):
         with pytest.raises(ValueError, match=r"torch.int64 tensor of shape \(2, 4\)"):
             signal_trace(signal, outputs, votes)
+
+
+class ToyClassifier(nn.Module):
+    """A step-wise classifier that declares nothing of its outputs: (B, 4) logits that sharpen with t."""
+
+    num_steps = 4
+
+    def initial_state(self, inputs):
+        return inputs
+
+    def step(self, t, state, inputs):
+        return state * 2.0
+
+    def readout(self, t, state, inputs):
+        return state
+
+
+@pytest.mark.parametrize("signal", [ConfidenceSignal, EntropySignal, PatienceSignal])
+def test_class_logit_rules_refuse_a_model_that_declares_no_logits(signal):
+    """A (B, n) sparse code looks like logits by shape; LISTA declares it is not, and the rule refuses it before
+    the first step, in the loop and in the streaming runner, naming the rule and the model."""
+    from learn2stop.core.streaming import StreamingRunner
+    from learn2stop.tasks.sparse.models import LISTA
+
+    g = torch.Generator().manual_seed(7)
+    A = torch.randn(5, 9, generator=g) / 5 ** 0.5
+    model, y = LISTA(A, 4), torch.randn(3, 5, generator=g)
+    message = rf"the '{signal.name}' rule reads a classifier's class logits, and the model LISTA declares"
+    with pytest.raises(ValueError, match=message):
+        run_with_early_exit(model, y, SignalRule(signal(), 0.5))
+    with pytest.raises(ValueError, match=message):
+        run_with_early_exit(model, y, SignalRule(signal(), 0.5), compact_every=2)
+    with pytest.raises(ValueError, match=message):
+        StreamingRunner(model, SignalRule(signal(), 0.5))
+    run_with_early_exit(model, y, SignalRule(signal(key=lambda o: o[:, :2]), 0.5))  # a key makes its own classes
+
+
+@pytest.mark.parametrize("signal", [ConfidenceSignal, EntropySignal, PatienceSignal])
+def test_class_logit_rules_accept_an_exit_network_and_an_undeclared_classifier(signal):
+    from learn2stop.core.exits import attach_exits
+
+    torch.manual_seed(8)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(),
+                        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 5))
+    model = attach_exits(net, ["1"], example_input=torch.zeros(1, 3, 6, 6)).eval()
+    assert model.outputs_are_logits is True
+    with torch.no_grad():
+        r = run_with_early_exit(model, torch.randn(4, 3, 6, 6), SignalRule(signal(), 0.5))
+    assert r.outputs.shape == (4, 5)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(9))
+    assert run_with_early_exit(ToyClassifier(), x, SignalRule(signal(), 0.5)).outputs.shape == (4, 4)
+
+
+def test_the_library_regressors_declare_their_outputs_are_not_logits():
+    from learn2stop.core.protocols import member
+    from learn2stop.tasks.denoise.models import DeepSupervisedDnCNN
+    from learn2stop.tasks.maml.learner import MLP, MAMLModel
+    from learn2stop.tasks.sparse.models import FISTA, ISTA
+
+    A = torch.randn(3, 5, generator=torch.Generator().manual_seed(10))
+    for model in (ISTA(A, 3, 1.0, 0.1), FISTA(A, 3, 1.0, 0.1), DeepSupervisedDnCNN(depth=5, channels=4),
+                  MAMLModel(MLP(hidden=4), 2, 0.1, loss="mse")):
+        assert member(model, "outputs_are_logits") is False, type(model).__name__
+    assert member(MAMLModel(MLP(out_dim=3, hidden=4), 2, 0.1), "outputs_are_logits") is None  # a dict: by shape
+    assert member(object(), "outputs_are_logits") is None

@@ -56,6 +56,8 @@ class DeepSupervisedDnCNN(nn.Module):
         (3, [2, 3, 5])
     """
 
+    outputs_are_logits = False  # a denoised image, not class logits (protocols.MODEL_MEMBERS)
+
     def __init__(self, depth: int = 20, channels: int = 64, output_positions: Sequence[int] | None = None,
                  image_channels: int = 1, head_kernel: int = 1, frozen_backbone: bool = False,
                  policy_macs: float = 0.0):

@@ -171,6 +171,12 @@ class MAMLModel(nn.Module):
     ``support_feats`` (B, S, D), ``query_feats`` (B, Q, D).
     """
 
+    @property
+    def outputs_are_logits(self) -> bool | None:
+        """False on a regression (``loss="mse"``): its predictions are not class logits (protocols.MODEL_MEMBERS);
+        None on a classification, whose output is a dict the class rules check by shape."""
+        return False if self.loss == "mse" else None
+
     def __init__(self, net: nn.Module, num_steps: int, inner_lr: float, first_order: bool = False,
                  loss: str = "cross_entropy", updates_per_step: int = 1, policy_features: bool = False,
                  task_batching: str = "auto", inner_grad_clip: float = 0.0):

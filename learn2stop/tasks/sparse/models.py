@@ -35,6 +35,8 @@ class LISTA(nn.Module):
         shrinkage: "soft" (textbook) or "smooth" (release).
     """
 
+    outputs_are_logits = False  # a sparse code, not class logits (protocols.MODEL_MEMBERS)
+
     def __init__(self, A: Tensor, num_steps: int = 20, L: float = 3.0, rho: float = 0.1, shrinkage: str = "soft"):
         super().__init__()
         if num_steps < 1:
@@ -75,6 +77,8 @@ class ISTA(nn.Module):
     ``L`` and ``rho`` are numbers, or (B, 1) tensors giving each sample its own values, which
     lets a grid search run as one batched full-depth unroll.
     """
+
+    outputs_are_logits = False  # a sparse code, not class logits (protocols.MODEL_MEMBERS)
 
     def __init__(self, A: Tensor, num_steps: int, L: float | Tensor, rho: float | Tensor):
         super().__init__()
