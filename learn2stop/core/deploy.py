@@ -87,7 +87,7 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
     cal = calibrate(rule, val.signals[rule], budget_costs(val, app.budget_by), signal.to_param)
     policy_cal = cal
     if app.deploy_in_time:  # every rule certified for the target, timed at the served batch: deploy the fastest
-        cal, why = _deploy_fastest(app, cfg, run, sm, base, val, calibrate, rule, how, policy_cal)
+        cal, why = _deploy_fastest(app, cfg, run, sm, base, val, calibrate, rule, how)
     else:  # untimed: a fixed depth certified at no more cost on validation does what the policy does, without it
         fixed = calibrate("fixed", val.signals["fixed"], budget_costs(val, app.budget_by, "fixed"), DepthSignal.to_param)
         why = ""
@@ -139,8 +139,7 @@ def fastest_certified(speeds: dict[str, float], costs: dict[str, float], tie: fl
 
 
 def _deploy_fastest(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, base: StoppingModel, val: Trace,
-                    calibrate: Callable, rule: str, how: str, policy_cal: Calibration | None
-                    ) -> tuple[Calibration | None, str]:
+                    calibrate: Callable, rule: str, how: str) -> tuple[Calibration | None, str]:
     """Every rule of the stop model certified for the target, timed beside the baseline at full depth
     (:func:`deployment_in_time`), and the fastest at ``inference.serve_batch`` chosen (:func:`fastest_certified`):
     (its calibration, or None where the baseline is fastest or nothing reaches the target; the reason in words)."""
