@@ -17,6 +17,7 @@ from .policy_signals import PolicyRule, threshold_stop_times
 from .rules import FixedDepth, StopAtTimes
 from .signals import ToleranceRule
 from .model import StoppingModel
+from .planner import PlanMLPPolicy
 from .policies import ExitPolicy, StepMLPPolicy, logit_signals, output_signals
 from .calibration import calibrate_budget
 from .calibration_file import Calibration, load_calibration, save_calibration
@@ -55,6 +56,7 @@ __all__ = [
     "StoppingModel",
     "ExitPolicy",
     "StepMLPPolicy",
+    "PlanMLPPolicy",
     "logit_signals",
     "output_signals",
     "ToleranceRule",

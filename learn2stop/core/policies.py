@@ -10,7 +10,7 @@
 
 Both read only what the step already computed. A policy is called with the step's output, not the previous one:
 the change since the last step is what the tolerance rule (``ToleranceSignal``) reads. A planning policy (one call
-predicting every step's stop, ``plan_step``) is task-specific so far (the sparse task's ``SparseDepthPlanner``).
+predicting every step's stop, ``plan_step``) is :class:`~learn2stop.core.planner.PlanMLPPolicy`.
 """
 from __future__ import annotations
 
