@@ -173,7 +173,7 @@ class HFStepwise(nn.Module):
         logits, exits = score_with_exits(view, idx, lambda t, z: z.softmax(-1).amax(-1) > 0.9)
     """
 
-    def __init__(self, model: nn.Module, exit_every: int = 1):
+    def __init__(self, model: nn.Module, exit_every: int = 1, verify: bool = True):
         super().__init__()
         self.layout = _Layout(model)
         self.model = model
@@ -184,6 +184,32 @@ class HFStepwise(nn.Module):
         self.exit_layers = layers if layers[-1] == n else layers + [n]
         self.num_steps = len(self.exit_layers)
         self.n_layer = n
+        if verify:
+            self._verify()
+
+    @torch.no_grad()
+    def _verify(self) -> None:
+        """Refuse a model whose forward this view does not reproduce (a layout found by structure whose blocks do
+        more, such as residual multipliers or logit soft-capping): full depth on a short probe against its logits."""
+        model, was_training = self.model, self.model.training
+        n = min(8, self.layout.max_positions or 8, self.layout.window or 8)
+        probe = (torch.arange(n, device=self.layout.head.weight.device) % self.layout.head.out_features)[None]
+        model.eval()
+        try:
+            theirs = model(input_ids=probe).logits
+            ours = self.initial_state(probe)
+            for t in range(1, self.num_steps + 1):
+                ours = self.step(t, ours, probe)
+            ours = self.readout(self.num_steps, ours, probe)
+        finally:
+            model.train(was_training)
+        gap, scale = float((ours - theirs).abs().max()), float(theirs.abs().max())
+        tol = (1e-2 if theirs.dtype in (torch.float16, torch.bfloat16) else 1e-4) * (1.0 + scale)
+        if not gap <= tol:
+            raise ValueError(f"{type(model).__name__}: its blocks were found ({self.layout.kind} layout) but the "
+                             f"step-wise view does not reproduce its logits (largest gap {gap:.3g} on a probe, "
+                             f"allowed {tol:.3g}); its forward does something the layout does not (pass verify=False "
+                             f"to skip this check at your own risk)")
 
     @property
     def exit_costs(self) -> list[float]:
@@ -255,7 +281,8 @@ class HFStepwise(nn.Module):
         return out
 
 
-def attach_exits(model: nn.Module, exit_every: int = 1) -> HFStepwise:
+def attach_exits(model: nn.Module, exit_every: int = 1, verify: bool = True) -> HFStepwise:
     """The step-wise view of a transformers causal LM (GPT-2 or Llama layout) with an exit after every ``exit_every``
-    blocks and after the last; the model is not changed (its own norm and head read every exit)."""
-    return HFStepwise(model, exit_every)
+    blocks and after the last; the model is not changed (its own norm and head read every exit). ``verify`` checks
+    once, on an 8-token probe, that the view at full depth gives the model's own logits."""
+    return HFStepwise(model, exit_every, verify)

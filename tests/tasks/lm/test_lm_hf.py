@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from hf_reference import KINDS, reference_run, run_all, tiny_hf, tokens, tolerance  # noqa: E402
 
@@ -105,6 +105,18 @@ def test_a_model_of_another_layout_is_refused_naming_it():
     model.model.layers[1].self_attn.q_norm = nn.LayerNorm(8)  # a Qwen3-style part the view would not run
     with pytest.raises(ValueError, match=r"LlamaForCausalLM: block 1 has parts outside the known layout: \['q_norm'\]"):
         attach_exits(model)
+
+
+def test_a_model_whose_forward_the_view_does_not_reproduce_is_refused():
+    cfg = transformers.GraniteConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=50, residual_multiplier=0.5)
+    granite = transformers.GraniteForCausalLM(cfg).double().eval()  # Llama's parts, but residuals scaled by 0.5
+    with pytest.raises(ValueError, match=r"GraniteForCausalLM: its blocks were found \(llama layout\) but the "
+                                         r"step-wise view does not reproduce its logits"):
+        attach_exits(granite)
+    assert attach_exits(granite, verify=False).num_steps == 2  # the user's call, at their own risk
+    cfg.residual_multiplier = 1.0
+    attach_exits(transformers.GraniteForCausalLM(cfg).double().eval())  # multipliers of 1: Llama's forward
 
 
 def test_bad_arguments_are_refused():

@@ -72,10 +72,11 @@ def test_batch_of_eight_equals_eight_single_runs(kind):
 
 def test_rows_that_stop_at_the_first_exit_run_no_later_block():
     model = tiny_hf("llama", n_layer=3)
+    view = attach_exits(model)  # before the hooks: attaching runs the model once on a probe
     seen = []
     hooks = [b.mlp.register_forward_hook(lambda m, args, out, i=i: seen.append(i))
              for i, b in enumerate(model.model.layers)]
-    out = generate(attach_exits(model), tokens(4, 1), 5, lambda t, logits: torch.ones(len(logits), dtype=torch.bool))
+    out = generate(view, tokens(4, 1), 5, lambda t, logits: torch.ones(len(logits), dtype=torch.bool))
     for h in hooks:
         h.remove()
     assert seen == [0] * 5 and bool((out.exit_steps == 1).all())
