@@ -50,18 +50,22 @@ class _Layout:
         if gpt2 is not None and isinstance(getattr(gpt2, "h", None), nn.ModuleList):
             self.kind, base, blocks, self.norm = "gpt2", gpt2, gpt2.h, getattr(gpt2, "ln_f", None)
             block_parts, attn_parts, attn_of = _GPT2_BLOCK, _GPT2_ATTN, "attn"
+            if not all(isinstance(getattr(gpt2, n, None), nn.Embedding) for n in ("wte", "wpe")):
+                raise _unsupported(model, "transformer.h found but no transformer.wte and transformer.wpe")
         elif llama is not None and isinstance(getattr(llama, "layers", None), nn.ModuleList):
             self.kind, base, blocks, self.norm = "llama", llama, llama.layers, getattr(llama, "norm", None)
             block_parts, attn_parts, attn_of = _LLAMA_BLOCK, _LLAMA_ATTN, "self_attn"
             if not isinstance(getattr(llama, "rotary_emb", None), nn.Module):
                 raise _unsupported(model, "model.layers found but no model.rotary_emb")
+            if not isinstance(getattr(llama, "embed_tokens", None), nn.Embedding):
+                raise _unsupported(model, "model.layers found but no model.embed_tokens")
         else:
             raise _unsupported(model, "found neither transformer.h nor model.layers (a ModuleList of blocks)")
         if self.norm is None or len(blocks) == 0:
             raise _unsupported(model, "no final norm or no blocks")
         for i, block in enumerate(blocks):
             extra = (_children(block) ^ block_parts) | (_children(getattr(block, attn_of, nn.Module())) - attn_parts)
-            if extra:  # a part this view would not run (a cross-attention, a q/k norm, a sandwich norm) or a missing one
+            if extra:  # a part the view would not run (a cross-attention, a q/k norm, a sandwich norm), or one missing
                 raise _unsupported(model, f"block {i} has parts outside the known layout: {sorted(extra)}")
         impl = getattr(model.config, "_attn_implementation", "eager") or "eager"
         if impl not in ("eager", "sdpa"):
@@ -71,9 +75,13 @@ class _Layout:
         self.config = model.config
         attn = getattr(blocks[0], attn_of)
         self.lib = sys.modules[type(attn).__module__]  # the model's own modeling module
+        needs = ["eager_attention_forward" if impl == "eager" else "ALL_ATTENTION_FUNCTIONS"] + \
+            (["apply_rotary_pos_emb"] if self.kind == "llama" else [])
+        missing = [n for n in needs if not hasattr(self.lib, n)]
+        if missing:
+            raise _unsupported(model, f"its modeling module {self.lib.__name__} has no {', '.join(missing)}")
         self.attention_fn = self.lib.eager_attention_forward if impl == "eager" else \
             self.lib.ALL_ATTENTION_FUNCTIONS[impl]
-        self.head_dim = getattr(attn, "head_dim", None)
         self.max_positions = base.wpe.num_embeddings if self.kind == "gpt2" else None
         self.window = getattr(self.config, "sliding_window", None)
 

@@ -42,8 +42,9 @@ class HFCache:
 def check_prompt(view: HFStepwise, prompt: Tensor, max_new_tokens: int) -> None:
     """Refuse a prompt that the model cannot continue by ``max_new_tokens`` tokens, naming the problem."""
     if not isinstance(prompt, Tensor) or prompt.dim() != 2 or prompt.dtype != torch.long:
+        shape, dtype = tuple(getattr(prompt, "shape", ())), getattr(prompt, "dtype", "")
         raise ValueError(f"prompt must be a (batch, length) tensor of token ids (torch.long); got "
-                         f"{type(prompt).__name__} {tuple(getattr(prompt, 'shape', ()))} {getattr(prompt, 'dtype', '')}")
+                         f"{type(prompt).__name__} {shape} {dtype}")
     B, T0 = prompt.shape
     if B == 0 or T0 == 0:
         raise ValueError(f"prompt must hold at least one row and one token; got shape {(B, T0)}")

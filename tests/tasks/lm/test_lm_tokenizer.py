@@ -77,5 +77,5 @@ def test_bad_input_is_refused_naming_the_problem(tmp_path):
         BPEVocab.load(broken)
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"model": {"type": "WordPiece"}}))
-    with pytest.raises(ValueError, match="other.json: not a saved byte-level BPE tokenizer \\(model type 'WordPiece'\\)"):
+    with pytest.raises(ValueError, match=r"other.json: not a saved byte-level BPE tokenizer \(model type 'WordPiece'\)"):
         BPEVocab.load(other)
