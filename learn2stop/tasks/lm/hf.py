@@ -153,7 +153,9 @@ class _Layout:
     def block(self, layer: int, h: Tensor, pos: Tensor) -> Tensor:
         """Block ``layer`` on every position of h (B, N, C) at positions pos, each seeing those before it."""
         q, k, v = self.qkv(layer, h, pos)
-        return self.finish(layer, h, self.attend(layer, q, k, v, causal(h.shape[1], h.device)))
+        n = h.shape[1]  # SDPA with no mask is causal, as the model's own forward runs it
+        return self.finish(layer, h, self.attend(layer, q, k, v, None if self.impl == "sdpa" or n == 1 else
+                                                 causal(n, h.device)))
 
     def check_length(self, n: int, what: str = "sequence") -> None:
         if self.max_positions is not None and n > self.max_positions:
