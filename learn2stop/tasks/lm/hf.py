@@ -12,7 +12,9 @@ Two layouts are recognised by structure, not by class name: GPT-2's (``transform
 with a fused ``c_attn``, ``ln_2``, ``mlp``; ``wte``, ``wpe``, ``ln_f``) and the Llama family's (``model.layers`` of
 ``input_layernorm``, ``self_attn`` with ``q_proj``/``k_proj``/``v_proj``/``o_proj``, ``post_attention_layernorm``,
 ``mlp``; ``embed_tokens``, ``norm``, ``rotary_emb``; grouped-query attention included). A block is re-run from its own
-sub-modules and the model's own attention function (``eager`` or ``sdpa``), so nothing here imports transformers.
+sub-modules and the model's own attention function (``eager`` or ``sdpa``), so nothing here imports transformers;
+a block that does more than its parts (Granite's residual multipliers) is caught by a check on a probe when attached.
+Generation with a cache: :mod:`.hf_generate`.
 B is the batch, T the sequence length, C the width, H the query heads, G the key/value heads, d the head width.
 """
 from __future__ import annotations
