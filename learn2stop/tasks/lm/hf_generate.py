@@ -1,0 +1,129 @@
+"""Greedy generation with early exits for Hugging Face causal LMs (:class:`~.hf.HFStepwise`), at batch > 1.
+
+The same scheme as :mod:`.generate` for the library's GPT, on the model's own blocks: the prompt but its last token is
+prefilled at full depth; for each new token every row starts at layer 1, and after each exit the rows that
+``exit_rule`` stops leave the batch for the remaining layers. Their exit logits are kept and their cache entries of the
+layers they skip are filled by CALM's state propagation (:meth:`HFStepwise.propagated_kv`, rotary at the token's
+position for Llama). The cache is this module's own (per layer (B, G, capacity, d)), not transformers' DynamicCache,
+because rows write different layers at the same position. Shapes as in :mod:`.hf`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .generate import Generation
+from .hf import HFStepwise
+
+
+class HFCache:
+    """Per layer keys and values of the first ``length`` positions: ``k[l]``, ``v[l]`` (B, G, capacity, d), made at
+    the first write of each layer."""
+
+    def __init__(self, n_layer: int, batch: int, capacity: int):
+        self.batch, self.capacity, self.length = batch, capacity, 0
+        self.k: list[Tensor | None] = [None] * n_layer
+        self.v: list[Tensor | None] = [None] * n_layer
+
+    def past(self, layer: int, rows: Tensor | None, end: int) -> tuple[Tensor, Tensor]:
+        """The cached (B_rows, G, end, d) keys and values of positions 0..end - 1 of 0-based ``layer``."""
+        k, v = self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        return (k, v) if rows is None else (k[rows], v[rows])
+
+    def write(self, layer: int, rows: Tensor | None, k: Tensor, v: Tensor, start: int) -> None:
+        """Store (B_rows, G, N, d) keys and values at positions start..start + N - 1 of 0-based ``layer``."""
+        if self.k[layer] is None:
+            shape = (self.batch, k.shape[1], self.capacity, k.shape[3])
+            self.k[layer], self.v[layer] = k.new_zeros(shape), v.new_zeros(shape)
+        end, rows = start + k.shape[2], slice(None) if rows is None else rows
+        self.k[layer][rows, :, start:end], self.v[layer][rows, :, start:end] = k, v
+
+
+def check_prompt(view: HFStepwise, prompt: Tensor, max_new_tokens: int) -> None:
+    """Refuse a prompt that the model cannot continue by ``max_new_tokens`` tokens, naming the problem."""
+    if not isinstance(prompt, Tensor) or prompt.dim() != 2 or prompt.dtype != torch.long:
+        shape, dtype = tuple(getattr(prompt, "shape", ())), getattr(prompt, "dtype", "")
+        raise ValueError(f"prompt must be a (batch, length) tensor of token ids (torch.long); got "
+                         f"{type(prompt).__name__} {shape} {dtype}")
+    B, T0 = prompt.shape
+    if B == 0 or T0 == 0:
+        raise ValueError(f"prompt must hold at least one row and one token; got shape {(B, T0)}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+    view.layout.check_length(T0 + max_new_tokens - 1, what="prompt + max_new_tokens - 1")
+    vocab = view.layout.head.out_features
+    low, high = int(prompt.min()), int(prompt.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"prompt holds token id {high if high >= vocab else low}, outside the model's vocabulary of "
+                         f"{vocab}")
+
+
+def prefill(view: HFStepwise, cache: HFCache, idx: Tensor) -> Tensor:
+    """Run idx (B, N) at full depth after the cached positions, caching every layer: the last hidden state (B, C)."""
+    lay, start, N = view.layout, cache.length, idx.shape[1]
+    h = lay.embed(idx, start)
+    pos = torch.arange(start, start + N, device=idx.device)
+    allowed = (torch.arange(start + N, device=idx.device) <= pos[:, None])[None]  # (1, N, start + N)
+    for layer in range(1, view.n_layer + 1):
+        q, k, v = lay.qkv(layer, h, pos[None])
+        cache.write(layer - 1, None, k, v, start)
+        h = lay.finish(layer, h, lay.attend(layer, q, *cache.past(layer - 1, None, start + N), allowed))
+    cache.length += N
+    return h[:, -1]
+
+
+def decode_token(view: HFStepwise, cache: HFCache, token: Tensor, exit_rule=None) -> tuple[Tensor, Tensor]:
+    """Feed token (B,) at position ``cache.length`` with early exits: the (B, V) logits of each row at its exit and
+    its (B,) exit step; the rows that stop leave the batch and get their later layers' cache by propagation."""
+    lay, p, B = view.layout, cache.length, token.shape[0]
+    h = lay.embed(token[:, None], p)  # (B_active, 1, C) the rows still running
+    pos = torch.full((1, 1), p, device=token.device)
+    rows = None  # None: every row (no gather); else the (B_active,) rows still running
+    logits = h.new_empty(B, lay.head.out_features)
+    exit_steps = torch.full((B,), view.num_steps, dtype=torch.long, device=token.device)
+    for t in range(1, view.num_steps + 1):
+        for layer in view.layers_of(t):
+            q, k, v = lay.qkv(layer, h, pos)
+            cache.write(layer - 1, rows, k, v, p)
+            h = lay.finish(layer, h, lay.attend(layer, q, *cache.past(layer - 1, rows, p + 1), None))
+        if t < view.num_steps and exit_rule is None:
+            continue
+        out = view.head(h[:, 0])  # (B_active, V) the exit's logits
+        if t == view.num_steps:  # what still runs stops here
+            logits[slice(None) if rows is None else rows] = out
+            break
+        stops = exit_rule(t, out)  # (B_active,) bool
+        if not bool(stops.any()):
+            continue
+        here = torch.arange(B, device=token.device) if rows is None else rows
+        stopped = here[stops]
+        logits[stopped], exit_steps[stopped] = out[stops], t
+        for layer in range(view.exit_layers[t - 1] + 1, view.n_layer + 1):  # complete their later layers
+            cache.write(layer - 1, stopped, *view.propagated_kv(layer, h[stops], pos), p)
+        rows, h = here[~stops], h[~stops]
+        if rows.numel() == 0:
+            break
+    cache.length = p + 1
+    return logits, exit_steps
+
+
+@torch.no_grad()
+def generate(view: HFStepwise, prompt: Tensor, max_new_tokens: int, exit_rule=None) -> Generation:
+    """Greedy continuation of prompt (B, T0) by ``max_new_tokens`` tokens, each exiting where ``exit_rule`` says.
+
+    ``exit_rule(t, logits) -> (B_active,) bool`` is asked after exit step t = 1..T-1 with the (B_active, V) logits of
+    the rows still running (None: no early exit, the model's own greedy decoding). Returns tokens (B, T0 + n), the
+    (B, n) exit steps and the :class:`HFCache` (positions 0..T0 + n - 2).
+    """
+    check_prompt(view, prompt, max_new_tokens)
+    B, T0 = prompt.shape
+    cache = HFCache(view.n_layer, B, T0 + max_new_tokens - 1)
+    if T0 > 1:
+        prefill(view, cache, prompt[:, :-1])
+    token, new, exits = prompt[:, -1], [], []
+    for _ in range(max_new_tokens):
+        logits, exit_step = decode_token(view, cache, token, exit_rule)
+        token = logits.argmax(-1)
+        new.append(token)
+        exits.append(exit_step)
+    return Generation(torch.cat([prompt, torch.stack(new, 1)], 1), torch.stack(exits, 1), cache)
