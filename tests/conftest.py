@@ -13,6 +13,17 @@ torch.set_num_threads(1)  # tests use tiny tensors: one thread avoids OpenMP spi
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
+# The sparse task's flags for a reproduction of a few seconds: the CLI tests' run of every stage.
+TINY = [
+    "--problem.m", "13", "--problem.n", "27", "--problem.sparsity", "0.2",
+    "--problem.test_per_snr", "30", "--problem.val_per_snr", "20",
+    "--lista.num_steps", "5", "--classical.depths", "5,10", "--classical.L_grid", "3,5",
+    "--classical.rho_grid", "0.05,0.1", "--classical.tune_samples", "50",
+    "--policy.sketch_dim", "4",
+    *[a for s in ("baseline", "stage1", "stage2", "stage3", "aevb")
+      for a in (f"--{s}.iterations", "12", f"--{s}.batch_size", "32", f"--{s}.eval_every", "6", f"--{s}.checkpoint_every", "6")],
+]
+
 
 def shared_data(sub: str) -> Path:
     """Path under ../shared/data, or skip the test with the reason."""

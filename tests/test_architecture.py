@@ -81,3 +81,17 @@ def test_no_layer_imports_a_layer_above_it():
     upward = [f"{m} -> {t}" for m, targets in _graph(False).items() for t in targets
               if layer(m) >= 0 and layer(t) > layer(m)]
     assert not upward, "imports reaching up a layer: " + "; ".join(sorted(upward))
+
+
+#: the most lines a module may hold: a longer one is split by concern
+MAX_LINES = {"learn2stop/tasks": 300, "learn2stop": 400}
+
+
+def test_no_module_is_longer_than_its_limit():
+    def limit(path: Path) -> int:
+        rel = path.relative_to(PKG.parent).as_posix()
+        return min(n for prefix, n in MAX_LINES.items() if rel.startswith(prefix + "/"))
+
+    long = [f"{p.relative_to(PKG.parent)}: {n} lines (limit {limit(p)})" for p in sorted(PKG.rglob("*.py"))
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > limit(p)]
+    assert not long, "modules over their line limit: " + "; ".join(long)

@@ -13,7 +13,9 @@ The model's optional members:
   exit head evaluated), in the units of ``exit_costs``; absent: ``exit_costs``;
 - ``outputs_are_logits``: whether its outputs are a classifier's class logits (True: an exit network), or not (False:
   a regressor, a denoiser), which the class-probability rules (confidence, entropy, patience) refuse before the first
-  step; absent (None): unknown, accepted (the rules still check the output's shape).
+  step; absent (None): unknown, accepted (the rules still check the output's shape);
+- ``input_shape`` / ``input_dtype``: the per-sample shape (a tuple) and dtype of its one input tensor, against which
+  the streaming runner checks every request; absent: the stream's first request is the reference.
 
 The policy's optional members:
 
@@ -41,7 +43,8 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 #: the optional members of a step-wise model and their defaults (see the module's text)
-MODEL_MEMBERS: dict[str, Any] = {"exit_costs": None, "fixed_exit_costs": None, "outputs_are_logits": None}
+MODEL_MEMBERS: dict[str, Any] = {"exit_costs": None, "fixed_exit_costs": None, "outputs_are_logits": None,
+                                 "input_shape": None, "input_dtype": None}
 #: the optional members of a stopping policy and their defaults (see the module's text)
 POLICY_MEMBERS: dict[str, Any] = {"min_step": 1, "plan_step": None, "plan_log_q": None, "replan_step": None,
                                   "priced_plan": None, "priced_replan": None, "auxiliary_loss": None}

@@ -9,11 +9,13 @@ import pytest
 import torch
 from PIL import Image
 
+from learn2stop.tasks.classify.data import (CIFAR10_CLASSES, Augment, ImageDataError, ImageSet, channel_stats,
+                                            list_datasets, load_cifar_binary, load_cifar_python, load_cifar_subset_npz,
+                                            load_dataset, load_image_file, load_image_folder, load_pickle,
+                                            load_tiny_imagenet, normalize, split_validation)
+
 from conftest import shared_data
-from learn2stop.tasks.classify.data import (
-    CIFAR10_CLASSES, Augment, ImageDataError, ImageSet, channel_stats, list_datasets, load_cifar_binary,
-    load_cifar_python, load_cifar_subset_npz, load_dataset, load_image_file, load_image_folder, load_pickle,
-    load_tiny_imagenet, normalize, split_validation)
+
 
 RNG = np.random.default_rng(0)
 
@@ -370,3 +372,13 @@ def test_shared_cifar_subset_loads():
     assert set(np.unique(train.labels)) == set(range(10)) and train.classes[0] == "airplane"
     mean, _ = channel_stats(train.images)
     assert all(0.4 < m < 0.55 for m in mean)  # CIFAR-10's channel means are about 0.49, 0.48, 0.45
+
+
+def test_a_one_class_dataset_is_refused(tmp_path):
+    from learn2stop.tasks.classify.data import ImageDataError, load_dataset
+
+    np.savez(tmp_path / "cifar10_subset.npz", train_images=np.zeros((6, 3, 32, 32), np.uint8),
+             train_labels=np.zeros(6, np.int64), test_images=np.zeros((2, 3, 32, 32), np.uint8),
+             test_labels=np.zeros(2, np.int64))
+    with pytest.raises(ImageDataError, match=r"the training images hold 1 class\(es\) \(airplane\); a classifier needs"):
+        load_dataset("cifar_subset_npz", tmp_path)

@@ -1,11 +1,13 @@
 """Denoising image files: folders and bad images, the dead-leaves default, the shared data."""
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-from conftest import shared_data
 from learn2stop.tasks.denoise import ImageDataError, PatchBank, load_image
-from learn2stop.tasks.denoise.images import list_images, load_folder, synthetic_images
+from learn2stop.tasks.denoise.images import check_image_size, list_images, load_folder, save_image, synthetic_images
+
+from conftest import shared_data
 
 
 def write_png(path, arr, mode="L"):
@@ -69,3 +71,37 @@ def test_shared_denoising_data_loads():
     img = load_image(bsd[0])
     assert sorted(img.shape) == [321, 481]
     assert load_image(train[0]).shape == (180, 180)
+
+
+# ----------------------------------------------------------------------------- denoising images
+@pytest.mark.parametrize("shape", [(1, 9), (9, 1), (1, 1), (1, 1, 1, 6), (1, 4, 5)])
+def test_thin_and_single_pixel_images_keep_their_orientation(tmp_path, shape):
+    img = torch.rand(shape)
+    save_image(img, tmp_path / "x.png")
+    back = load_image(tmp_path / "x.png")
+    expected = img.reshape(shape[-2:]).numpy()
+    assert back.shape == shape[-2:]
+    np.testing.assert_allclose(back, np.round(expected * 255) / 255, atol=1 / 255 + 1e-6)
+
+
+@pytest.mark.parametrize("img, match", [
+    (np.zeros((2, 3, 4)), r"cannot save .*x\.png: expected a \(H, W\) grey image; got shape \(2, 3, 4\)"),
+    (np.zeros((0, 4)), r"expected a \(H, W\) grey image; got shape \(0, 4\)"),
+    (np.full((3, 3), np.nan), r"cannot save .*x\.png: the image holds NaN or infinite values"),
+])
+def test_save_image_refuses_what_it_cannot_write(tmp_path, img, match):
+    with pytest.raises(ImageDataError, match=match):
+        save_image(img, tmp_path / "x.png")
+
+
+def test_images_too_small_for_the_model_name_file_and_size(tmp_path):
+    Image.fromarray(np.zeros((1, 7), np.uint8)).save(tmp_path / "thin.png")
+    with pytest.raises(ImageDataError, match=r"image .*thin\.png is 7x1 \(width x height\), smaller than the 8x8 "
+                                             r"smallest test image; remove it"):
+        load_folder(tmp_path, min_size=8, reason="smallest test image; remove it")
+    with pytest.raises(ImageDataError, match=r"thin\.png is 7x1 .*smaller than the 40x40 patch size; remove it or lower data\.patch_size"):
+        load_folder(tmp_path, min_size=40)
+    images, names = load_folder(tmp_path)  # any size works for a fully convolutional model
+    assert images[0].shape == (1, 7) and names == ["thin.png"]
+    with pytest.raises(ImageDataError, match=r"a\.png is 1x1"):
+        check_image_size(np.zeros((1, 1), np.float32), "a.png", 2)

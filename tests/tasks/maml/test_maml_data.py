@@ -6,11 +6,12 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import shared_data
 from learn2stop.tasks.maml.classes import ClassImages, DataError, RotatedClasses
 from learn2stop.tasks.maml.data import MiniImagenet
 from learn2stop.tasks.maml.omniglot import load_omniglot_folders, load_omniglot_npz
 from learn2stop.tasks.maml.samplers import FewShotSampler, SinusoidSampler
+
+from conftest import shared_data
 
 
 def coded_dataset(n_classes=9, per_class=7, side=6):
@@ -247,3 +248,39 @@ def test_miniimagenet_bad_inputs(tmp_path):
     (tmp_path / "n").mkdir()
     with pytest.raises(DataError, match="images/ is missing"):
         MiniImagenet(tmp_path / "n", "train")
+
+
+# ----------------------------------------------------------------------------- MiniImagenet
+def write_mini_rows(root, rows_by_split, size=8):
+    """A MiniImagenet folder of the given (file name, label) rows per split, one blank image per file name."""
+    (root / "images").mkdir(parents=True)
+    for split, rows in rows_by_split.items():
+        with open(root / f"{split}.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["filename", "label"])
+            for name, label in rows:
+                if not (root / "images" / name).exists():
+                    Image.fromarray(np.zeros((size, size, 3), np.uint8)).save(root / "images" / name)
+                w.writerow([name, label])
+    return root
+
+
+GOOD_MINI = {"train": [("a1.jpg", "n01"), ("a2.jpg", "n01")], "val": [("b1.jpg", "n02")], "test": [("c1.jpg", "n03")]}
+
+
+@pytest.mark.parametrize("change, split, match", [
+    ({"train": GOOD_MINI["train"] + [("a1.jpg", "n09")]}, "train",
+     r"train\.csv line 4: a1\.jpg is listed twice \(first on line 2\); one image must have one label"),
+    ({"test": [("c1.jpg", "n01")]}, "train", r"1 of the classes are in both the train and the test split: 'n01'"),
+    ({"val": [("a2.jpg", "n02")]}, "val", r"1 of the image files are in both the val and the train split: 'a2\.jpg'"),
+    ({"val": [("", "n02")]}, "val", r"val\.csv line 2: expected 'filename,label'"),
+])
+def test_miniimagenet_duplicates_and_leaks(tmp_path, change, split, match):
+    root = write_mini_rows(tmp_path / "m", {**GOOD_MINI, **change})
+    with pytest.raises(DataError, match=match):
+        MiniImagenet(root, split, image_size=8)
+
+
+def test_good_miniimagenet_has_one_image_shape(tmp_path):
+    ds = MiniImagenet(write_mini_rows(tmp_path / "m", GOOD_MINI), "train", image_size=12)
+    assert ds.image_shape == (3, 12, 12) and ds.images(0, torch.tensor([0, 1])).shape == (2, 3, 12, 12)

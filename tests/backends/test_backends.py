@@ -132,7 +132,7 @@ def test_compiled_runner_matches_eager(lista):
 def test_frontier_measures_every_backend_side_by_side_and_evaluate_runs_on_one(tmp_path, capsys):
     pytest.importorskip("onnxruntime")
     from learn2stop.cli import main
-    from tests.test_cli import TINY
+    from conftest import TINY
 
     tiny = [*TINY, "--run_aevb", "false", "--run_stage3", "false"]
     run = tmp_path / "run"

@@ -269,7 +269,7 @@ assert "torch" not in sys.modules
 print(",".join(map(str, r.stop_times)))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[1])
+                         cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ",".join(map(str, load(folder).run(y.numpy()).stop_times))
 
@@ -403,7 +403,7 @@ def test_cli_exports_a_trained_run_and_refuses_an_unfinished_one(tmp_path, capsy
 def test_runtime_speed_benchmark_runs_on_a_tiny_config(tmp_path, capsys):
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "runtime_speed.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "runtime_speed.py"
     spec = importlib.util.spec_from_file_location("runtime_speed", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -10,7 +10,7 @@ from learn2stop.core import (Calibration, FixedDepth, InferenceConfig, PolicySig
                              calibrate_risk, first_crossing, run_with_early_exit, signal_trace, unroll)
 from learn2stop.core.signals import DepthSignal
 from learn2stop.utils.config import ConfigError
-from tests.test_stopping_pays import sm  # noqa: F401 - the toy stopping model fixture
+from test_stopping_pays import sm  # noqa: F401 - the toy stopping model fixture
 
 
 def test_the_depth_signal_stops_every_sample_where_a_fixed_depth_does(sm):
@@ -66,7 +66,7 @@ def test_an_exported_fixed_calibration_ends_the_graphs_at_the_depth():
 
 def test_calibrate_fastest_keeps_the_fastest_calibrated_rule(tmp_path, capsys):
     from learn2stop.cli import main
-    from tests.test_cli import TINY
+    from conftest import TINY
 
     tiny = [*TINY, "--run_aevb", "false", "--run_stage3", "false"]
     run = tmp_path / "run"

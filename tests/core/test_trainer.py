@@ -5,10 +5,11 @@ import copy
 import pytest
 import torch
 
-from conftest import ToyPolicy, ToyStepModel, ToyTask
 from learn2stop.core import StageConfig, StagedTrainer, StageObjective, StoppingModel
 from learn2stop.utils.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from learn2stop.utils.config import ConfigError
+
+from conftest import ToyPolicy, ToyStepModel, ToyTask
 
 
 def make_sm():
@@ -364,3 +365,50 @@ def test_a_stage_whose_parameters_are_all_frozen_says_so(tmp_path):
         StagedTrainer(sm, ToyTask(), tmp_path, progress=False).fit("s", StageConfig(objective="stage1", iterations=2))
     assert not any(p.requires_grad for p in sm.model.parameters())
     assert all(p.requires_grad for p in sm.policy.parameters())
+
+
+@pytest.mark.parametrize("name", ["../escaped", "", "a/b", "/abs", ".", "..", "x\0y", 3])
+def test_a_stage_name_must_be_a_plain_name(name, tmp_path):
+    trainer = StagedTrainer(StoppingModel(ToyStepModel(), ToyPolicy()), ToyTask(), tmp_path / "run", progress=False)
+    with pytest.raises(ValueError, match="stage name: must be a plain name"):
+        trainer.fit(name, StageConfig(objective="stage1", beta=0.1, iterations=2, batch_size=4))
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["checkpoints", "run"]  # nothing written anywhere
+
+
+def test_fit_and_train_refuse_a_dict_for_their_config(tmp_path):
+    trainer = StagedTrainer(StoppingModel(ToyStepModel(), ToyPolicy()), ToyTask(), tmp_path / "run", progress=False)
+    for bad in ({"objective": "stage1"}, None):
+        with pytest.raises(TypeError, match="the stage config must be a StageConfig"):
+            trainer.fit("stage1", bad)
+    from learn2stop.tasks.classify import commands as classify_app
+    from learn2stop.tasks.denoise import app as denoise_app
+    from learn2stop.tasks.maml import commands as maml_app
+    from learn2stop.tasks.sparse import app as sparse_app
+
+    for app in (sparse_app, maml_app, classify_app, denoise_app):
+        for command in (app.train, app.evaluate):
+            with pytest.raises(TypeError, match="cfg: expected the task's config dataclass"):
+                command({"seed": 0}, tmp_path / "run-of-a-dict")
+    assert not (tmp_path / "run-of-a-dict").exists()
+
+
+def test_a_resume_that_cannot_write_keeps_metrics(tmp_path, monkeypatch):
+    from learn2stop.core import stage_checkpoints as trainer_module
+
+    run = tmp_path / "run"
+    cfg = StageConfig(objective="stage1", beta=0.1, iterations=4, batch_size=4, eval_every=2, checkpoint_every=2)
+    StagedTrainer(StoppingModel(ToyStepModel(), ToyPolicy()), ToyTask(), run, progress=False).fit("stage1", cfg)
+    metrics = (run / "metrics.jsonl").read_text()
+    assert metrics.count("\n") == 2
+    longer = StageConfig(objective="stage1", beta=0.1, iterations=6, batch_size=4, eval_every=2, checkpoint_every=2)
+    ck = torch.load(run / "checkpoints" / "stage1.pt", weights_only=True)  # make it an unfinished stage at 2
+    ck.update(completed=False, iteration=2, stage_config=__import__("learn2stop").utils.config.to_dict(longer.inherit()))
+    torch.save(ck, run / "checkpoints" / "stage1.pt")
+
+    def read_only(*args, **kwargs):  # what mkstemp meets on a read-only checkpoints/ (root ignores modes)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(trainer_module.tempfile, "mkstemp", read_only)
+    with pytest.raises(OSError, match=r"cannot write checkpoints to .*checkpoints \(Permission denied\)"):
+        StagedTrainer(StoppingModel(ToyStepModel(), ToyPolicy()), ToyTask(), run, progress=False).fit("stage1", longer)
+    assert (run / "metrics.jsonl").read_text() == metrics  # the line after iteration 2 is still there

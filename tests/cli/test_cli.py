@@ -5,15 +5,7 @@ import pytest
 
 from learn2stop.cli import main
 
-TINY = [
-    "--problem.m", "13", "--problem.n", "27", "--problem.sparsity", "0.2",
-    "--problem.test_per_snr", "30", "--problem.val_per_snr", "20",
-    "--lista.num_steps", "5", "--classical.depths", "5,10", "--classical.L_grid", "3,5",
-    "--classical.rho_grid", "0.05,0.1", "--classical.tune_samples", "50",
-    "--policy.sketch_dim", "4",
-    *[a for s in ("baseline", "stage1", "stage2", "stage3", "aevb")
-      for a in (f"--{s}.iterations", "12", f"--{s}.batch_size", "32", f"--{s}.eval_every", "6", f"--{s}.checkpoint_every", "6")],
-]
+from conftest import TINY
 
 
 def test_reproduce_end_to_end_writes_tables_figures_and_resumes(tmp_path, capsys):
@@ -297,3 +289,51 @@ def test_a_config_file_nested_too_deep_is_one_line_naming_the_flag(tmp_path, cap
     err = capsys.readouterr().err
     assert "error: --config: config file" in err and "nests deeper than" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_kill_9_mid_training_then_resume_is_bit_identical(tmp_path):
+    """A real SIGKILL at two points, then resume: same weights as an uninterrupted run, no temp files,
+    no duplicated metric lines, and the lock of the killed process does not block."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    from conftest import TINY
+
+    args = [a if a != "12" else "60" for a in TINY] + ["--run_aevb", "false", "--run_stage3", "false", "--no-progress",
+                                                       "--threads", "1"]
+
+    def train(run, kill_when=None):
+        """Train; with ``kill_when`` (a checkpoint file), SIGKILL the process a moment after it appears."""
+        cmd = [sys.executable, "-m", "learn2stop", "sparse", "train", "--run-dir", str(run), *args]
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if kill_when is None:
+            assert p.wait(timeout=300) == 0, p.stderr.read().decode()
+            return True
+        while not (run / "checkpoints" / kill_when).exists() and p.poll() is None:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            return False
+        return True
+
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    train(clean)
+    kills = [train(killed, kill_when=f) for f in ("baseline.pt", "stage1.pt")]  # mid-baseline, mid-Stage I
+    assert kills.count(False) >= 1, "the process finished before it could be killed: make the run longer"
+    train(killed)
+    a = torch.load(clean / "checkpoints" / "stage2.pt", weights_only=True)["weights"]
+    b = torch.load(killed / "checkpoints" / "stage2.pt", weights_only=True)["weights"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+    assert not list(killed.rglob("*.tmp"))
+    lines = [json.loads(l) for l in (killed / "metrics.jsonl").read_text().splitlines()]
+    keys = [(r["stage"], r["iteration"]) for r in lines]
+    assert len(keys) == len(set(keys))
+    assert keys == [(r["stage"], r["iteration"]) for r in
+                    (json.loads(l) for l in (clean / "metrics.jsonl").read_text().splitlines())]

@@ -87,7 +87,7 @@ def test_streaming_benchmark_runs_on_a_tiny_config(tmp_path):
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "streaming.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "streaming.py"
     spec = importlib.util.spec_from_file_location("bench_streaming_tiny", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _results():
@@ -119,7 +119,7 @@ def test_a_tiny_reproduce_is_recorded_and_rendered(tmp_path):
     deployed rule's numbers as in_time.json has them and Table 1 as table1.md has it, and renders."""
     from learn2stop.cli import main
 
-    from test_cli import TINY
+    from conftest import TINY
 
     run = tmp_path / "sparse-quick"
     assert main(["sparse", "reproduce", "--preset", "quick", "--run-dir", str(run), "--no-progress", *TINY]) == 0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SECTION = "## Wrap your own step-wise model"
 LINE = re.compile(r"^([\d.]+) steps: policy MSE ([\d.]+), fixed depth (\d+) ([\d.]+), oracle ([\d.]+)$")
 

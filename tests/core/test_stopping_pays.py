@@ -263,7 +263,7 @@ def tr_seed(tr):
 
 def test_frontier_and_calibrate_run_end_to_end_on_tiny_sparse(tmp_path, capsys):
     from learn2stop.cli import main
-    from tests.test_cli import TINY
+    from conftest import TINY
 
     TINY = [*TINY, "--run_aevb", "false", "--run_stage3", "false"]
     run = tmp_path / "run"
