@@ -50,7 +50,8 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
     the same target too, and each is timed side by side with the baseline at full depth at batch 1, at
     ``inference.serve_batch`` and at the task's speed batch: ``in_time.json`` / ``in_time.md``
     (:func:`deployment_in_time`). What is deployed is what a user serving at ``serve_batch`` would pick: the fastest of
-    them there (:func:`fastest_certified`: ties within :data:`SPEED_TIE` go to the least cost on validation), which
+    them there (:func:`fastest_certified`: ties within the timing's own spread, :func:`speed_tie`, go to the least cost on
+    validation), which
     may be a fixed depth (it then answers as the policy would, without a policy call), a classical rule, or the
     baseline itself when every certified rule runs slower than it. The saved calibration's ``target["instead_of"]``
     names the policy rule it replaced. With ``app.deploy_in_time`` off (nothing timed), a fixed depth is deployed
@@ -85,9 +86,9 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
 
     signal = make_signal(rule, sm.policy)
     cal = calibrate(rule, val.signals[rule], budget_costs(val, app.budget_by), signal.to_param)
-    policy_cal = cal
+    policy_cal, tie = cal, None
     if app.deploy_in_time:  # every rule certified for the target, timed at the served batch: deploy the fastest
-        cal, why = _deploy_fastest(app, cfg, run, sm, base, val, calibrate, rule, how)
+        cal, why, tie = _deploy_fastest(app, cfg, run, sm, base, val, calibrate, rule, how)
     else:  # untimed: a fixed depth certified at no more cost on validation does what the policy does, without it
         fixed = calibrate("fixed", val.signals["fixed"], budget_costs(val, app.budget_by, "fixed"), DepthSignal.to_param)
         why = ""
@@ -104,12 +105,14 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
         reason = why or (f"no threshold of the stop model's {rule} rule, and no fixed depth, reaches {reference} on "
                          f"validation (full-depth lead {lead:.4g})")
         if run.ctx.is_main:
-            write_json({"format": RUN_FORMAT, "stage": app.baseline_stage, "reason": reason},
-                       Path(run.run_dir) / DEPLOYMENT_FILE)
+            write_json({"format": RUN_FORMAT, "stage": app.baseline_stage, "reason": reason,
+                        **({} if tie is None else {"tie": tie})}, Path(run.run_dir) / DEPLOYMENT_FILE)
         run.log(f"deployed: {app.baseline_label} at full depth, as {reason}; the stop model keeps the configured "
                 f"{app.inference(cfg).rule} rule")
         return None
     cal.target["reference"] = reference
+    if tie is not None:
+        cal.target["tie"] = tie
     if run.ctx.is_main:
         save_calibration(cal, run.run_dir)
         (Path(run.run_dir) / DEPLOYMENT_FILE).unlink(missing_ok=True)
@@ -121,15 +124,22 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
 
 IN_TIME_FILE = "in_time"
 
-#: speeds within this fraction of the fastest are a tie (best-of-passes speeds of one job move by a few per cent
-#: between runs on one machine); a tie goes to the candidate with the least cost on validation
-SPEED_TIE = 0.05
+#: the least tie margin: speeds within this fraction of the fastest are a tie even when the passes agreed closely
+SPEED_TIE_FLOOR = 0.02
 
 
-def fastest_certified(speeds: dict[str, float], costs: dict[str, float], tie: float = SPEED_TIE) -> str | None:
+def speed_tie(spreads: list[float | None], floor: float = SPEED_TIE_FLOOR) -> float:
+    """The tie margin of a choice between speeds: the timing noise measured with them, the largest spread of the
+    timed points' passes (:func:`~learn2stop.core.timing.pass_spread`), and at least ``floor``. Two speeds closer
+    than a pass's own jitter on this machine are not told apart by a timing."""
+    return max([floor, *(v for v in spreads if v is not None)])
+
+
+def fastest_certified(speeds: dict[str, float], costs: dict[str, float], tie: float = SPEED_TIE_FLOOR) -> str | None:
     """The candidate a user serving at one batch size deploys: the fastest (``speeds``: name -> samples/s), with the
-    candidates within ``tie`` of it counted as tied and the tie going to the least validation cost (``costs``: name
-    -> mean cost as a fraction of full depth; the baseline at full depth costs 1). None when nothing was timed."""
+    candidates within ``tie`` of it counted as tied (:func:`speed_tie`) and the tie going to the least validation
+    cost (``costs``: name -> mean cost as a fraction of full depth; the baseline at full depth costs 1). None when
+    nothing was timed."""
     timed = {n: v for n, v in speeds.items() if v is not None and n in costs}
     if not timed:
         return None
@@ -139,16 +149,18 @@ def fastest_certified(speeds: dict[str, float], costs: dict[str, float], tie: fl
 
 
 def _deploy_fastest(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, base: StoppingModel, val: Trace,
-                    calibrate: Callable, rule: str, how: str) -> tuple[Calibration | None, str]:
+                    calibrate: Callable, rule: str, how: str) -> tuple[Calibration | None, str, float]:
     """Every rule of the stop model certified for the target, timed beside the baseline at full depth
     (:func:`deployment_in_time`), and the fastest at ``inference.serve_batch`` chosen (:func:`fastest_certified`):
-    (its calibration, or None where the baseline is fastest or nothing reaches the target; the reason in words)."""
+    (its calibration, or None where the baseline is fastest or nothing reaches the target; the reason in words; the
+    tie margin used, :func:`speed_tie`)."""
     serve = app.inference(cfg).serve_batch
     result, cals = deployment_in_time(app, cfg, run, sm, base, val, calibrate, rule, how, serve)
     size = result["serve_batch"]
     speeds = {row["rule"]: row.get("samples_per_s", {}).get(size) for row in result["rows"]}
     costs = {"baseline": 1.0, **{r: c.calibration["mean_cost"] for r, c in cals.items()}}
-    pick = fastest_certified(speeds, costs)
+    tie = result["tie"]
+    pick = fastest_certified(speeds, costs, tie)
     ref = speeds.get("baseline")
     if pick is None:  # nothing timed (a backend that runs none of them): the least cost on validation
         pick = min(cals, key=lambda r: cals[r].calibration["mean_cost"]) if cals else "baseline"
@@ -161,9 +173,9 @@ def _deploy_fastest(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, bas
     else:
         rate = f", {speeds[pick] / ref:.2f}x {app.baseline_label} at full depth" if ref else ""
         why = (f"; the fastest certified at batch {size} ({speeds[pick]:,.0f} samples/s{rate}; ties within "
-               f"{100 * SPEED_TIE:.0f} % go to the least cost)")
+               f"{100 * tie:.1f} % (the timing's spread) go to the least cost)")
     _write_in_time(app, run, result, pick)
-    return (None if pick == "baseline" else cals[pick]), why
+    return (None if pick == "baseline" else cals[pick]), why, tie
 
 
 def deployment_in_time(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, base: StoppingModel, val: Trace,
@@ -182,7 +194,8 @@ def deployment_in_time(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, 
     cals = calibrate_each(app, cfg, sm, val, test, rules, calibrate)
     jobs = {"baseline": (base.model, FixedDepth)}
     jobs.update({r: (sm.model, lambda c=c: calibrated_rule(app, cfg, sm, c)) for r, c in cals.items()})
-    speeds, bname, sizes = time_rules(app, cfg, run, jobs, tuple(dict.fromkeys((1, serve_batch, app.speed_batch))))
+    speeds, bname, sizes, spreads = time_rules(app, cfg, run, jobs,
+                                               tuple(dict.fromkeys((1, serve_batch, app.speed_batch))))
     ref = speeds.get("baseline", {})
     rows = [{"rule": "baseline", "name": f"{app.baseline_label} at full depth",
              # full depth in the stop model's steps (MAML's baseline makes its ten updates as one output)
@@ -200,6 +213,8 @@ def deployment_in_time(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, 
                      "val_mean_cost": c.calibration["mean_cost"], "samples_per_s": speeds.get(r, {})})
     for row in rows:
         row["speedup"] = {n: row["samples_per_s"][n] / ref[n] for n in row.get("samples_per_s", {}) if n in ref}
+        if "samples_per_s" in row:
+            row["spread"] = spreads.get(row["rule"], {})
     fastest = {}
     for n in sizes.values():
         got = {row["rule"]: row["samples_per_s"][n] for row in rows if n in row.get("samples_per_s", {})}
@@ -209,6 +224,7 @@ def deployment_in_time(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, 
               "backend": bname, "device": str(run.device or "cpu"),
               "passes": {str(n): timing_passes(app, n) for n in sorted(set(sizes.values()))},
               "batch_sizes": sorted(set(sizes.values())), "serve_batch": sizes[serve_batch], "rows": rows,
+              "tie": speed_tie([v.get(sizes[serve_batch]) for v in spreads.values()]),
               "fastest": {str(n): r for n, r in fastest.items()}}
     return result, cals
 
@@ -252,7 +268,8 @@ def in_time_markdown(result: dict) -> str:
     lines.append("\nFastest at the baseline's quality: " + "; ".join(
         f"batch {n}: {names[r]}" for n, r in result["fastest"].items())
                  + f". Deployed: the fastest at the served batch ({result['serve_batch']}, `inference.serve_batch`), "
-                   f"ties within {100 * SPEED_TIE:.0f} % going to the least cost on validation.")
+                   f"ties within {100 * result['tie']:.1f} % (the largest spread of a point's timing passes there, "
+                   f"at least {100 * SPEED_TIE_FLOOR:.0f} %) going to the least cost on validation.")
     return "\n".join(lines)
 
 DEPLOYMENT_FILE = "deployment.json"
