@@ -53,6 +53,19 @@ def test_reproduce_end_to_end_writes_tables_figures_and_resumes(tmp_path, capsys
     for n, rule in in_time["fastest"].items():
         assert rows[rule]["samples_per_s"][n] == max(r["samples_per_s"][n] for r in rows.values() if r.get("samples_per_s"))
     assert "## In time" in (run / "in_time.md").read_text() and "## In time" in out
+    # the one record of what the run serves, as every serving and evaluating command reads it
+    from learn2stop.core.deployment import load_deployment
+    from learn2stop.tasks.sparse.app import APP
+    from learn2stop.tasks.sparse.config import SparseConfig
+    from learn2stop.utils.config_files import resolve
+
+    cfg = resolve(SparseConfig, yaml_path=str(run / "config.yaml"))
+    dep = load_deployment(APP, cfg, run)
+    assert dep.tie == in_time["tie"] and dep.kind == ("baseline" if deployed == "baseline" else "fastest")
+    assert dep.stage == ("baseline" if deployed == "baseline" else "stage2") and dep.model.num_steps == 5
+    if deployed != "baseline":
+        assert dep.rule == deployed and dep.calibrated and dep.serve_batch == 1 and dep.description.startswith("calibrated")
+    assert res["rule"] == load_deployment(APP, cfg, run, stage="stage2").description  # evaluate ran the stop model
     # a second run resumes: every stage is found finished, nothing retrains
     mtime = (run / "checkpoints" / "stage1.pt").stat().st_mtime
     trained_config = (run / "config.yaml").read_text()

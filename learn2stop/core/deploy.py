@@ -1,25 +1,22 @@
-"""The operating point ``reproduce`` deploys, and what a trained run serves.
+"""The operating point ``reproduce`` deploys.
 
 Every rule of the stop model is certified on validation to keep the baseline's full-depth quality and timed
 beside the baseline (``in_time.md`` / ``in_time.json``); the fastest at the served batch size is deployed
 (``calibration.json``), or the baseline itself (``deployment.json`` with the reason) where it is faster or
-nothing reaches its quality. :func:`deployed_model` and :func:`deployed_rule` read that back for the commands
+nothing reaches its quality. :func:`~learn2stop.core.deployment.load_deployment` reads that back for the commands
 that serve inputs."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ..utils.formats import RUN_FORMAT, format_refusal
-from ..utils.config import ConfigError
+from ..utils.formats import RUN_FORMAT
 from ..utils.report import write_json, write_text_atomic
 from .calibration import calibrate_match
 from .calibration_file import Calibration, load_calibration, save_calibration
-from .inference import active_rule
 from .risk_control import calibrate_risk
 from .curves import (budget_costs)
 from .trace import Trace, collect_trace
@@ -28,8 +25,8 @@ from .rules import FixedDepth
 from .signal_registry import SIGNALS, make_signal
 from .signals import DepthSignal
 from .calibrate import calibrate_each, time_rules, timing_passes
-from .task import (Run, StoppingApp, calibrated_rule, check_config, check_policy_rule, check_rule, model_rules,
-                   signal_key, stop_model_trace)
+from .deployment import DEPLOYMENT_FILE, load_deployment, served_baseline  # noqa: F401 - served_baseline: export's
+from .task import Run, StoppingApp, calibrated_rule, model_rules, stop_model_trace
 from .train import load_stage
 
 
@@ -113,6 +110,7 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
     cal.target["reference"] = reference
     if tie is not None:
         cal.target["tie"] = tie
+        cal.target["serve_batch"] = app.inference(cfg).serve_batch
     if run.ctx.is_main:
         save_calibration(cal, run.run_dir)
         (Path(run.run_dir) / DEPLOYMENT_FILE).unlink(missing_ok=True)
@@ -272,70 +270,8 @@ def in_time_markdown(result: dict) -> str:
                    f"at least {100 * SPEED_TIE_FLOOR:.0f} %) going to the least cost on validation.")
     return "\n".join(lines)
 
-DEPLOYMENT_FILE = "deployment.json"
-
-
-def served_baseline(app: StoppingApp, cfg: Any, run_dir) -> str | None:
-    """Why the run deploys its baseline at full depth rather than the stop model, or None.
-
-    ``reproduce`` (:func:`deploy_calibration`) records it in ``deployment.json`` when no threshold of the stop
-    model reaches the baseline's full-depth quality on validation: a user who must keep that quality ships the
-    baseline. A calibration saved since (``calibrate``: a user's own operating point) and ``use_calibrated:
-    false`` (the config's rule, asked for) both put the stop model back.
-    """
-    inference = app.inference(cfg)
-    if run_dir is None or not app.baseline_stage or not inference.use_calibrated or inference.sampled:
-        return None
-    path = Path(run_dir) / DEPLOYMENT_FILE
-    if not path.is_file() or load_calibration(run_dir) is not None:
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if data.get("format", 0) != RUN_FORMAT:
-            raise ConfigError(format_refusal(str(path), data.get("format", 0)))
-        stage, reason = data["stage"], data["reason"]
-    except (ValueError, OSError, KeyError, TypeError, AttributeError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"{path} is not a valid deployment record ({e!r}); run reproduce again or delete it") from None
-    if stage != app.baseline_stage or not isinstance(reason, str):
-        raise ConfigError(f"{path}: expected this task's baseline stage {app.baseline_stage!r} and a reason; got stage "
-                          f"{stage!r}, reason {reason!r}; run reproduce again or delete the file")
-    return reason
-
-
-def deployed_model(app: StoppingApp, cfg: Any, run_dir, device=None, generator=None) -> tuple[StoppingModel, Any, str]:
-    """What a trained run serves, (model, rule, description): its baseline at full depth where the run deploys it
-    (:func:`served_baseline`), else the stop model with :func:`deployed_rule`. For the commands that serve inputs."""
-    reason = served_baseline(app, cfg, run_dir)
-    if reason is not None:
-        return (load_stage(app, cfg, run_dir, app.baseline_stage, device), FixedDepth(),
-                f"{app.baseline_label} at full depth, no early exit: {reason}")
-    sm = load_stage(app, cfg, run_dir, app.stop_stage, device)
-    return (sm, *deployed_rule(app, cfg, run_dir, sm, generator=generator))
-
-
 def deployed_rule(app: StoppingApp, cfg: Any, run_dir, sm: StoppingModel, generator=None):
-    """The rule a trained run uses at inference: its calibration if any, else the config's (rule, description).
-    When the run deploys its baseline (:func:`served_baseline`) this is the stop model's rule, and the description
-    says so."""
-    check_config(cfg)
-    inference = app.inference(cfg)
-    check_rule(app, cfg, inference.rule, "inference.rule")
-    cal = load_calibration(run_dir) if run_dir is not None and inference.use_calibrated and not inference.sampled else None
-    if cal is not None:
-        check_rule(app, cfg, cal.rule, f"{Path(run_dir) / 'calibration.json'}: rule")
-        check_policy_rule(cal.rule, sm, f"{Path(run_dir) / 'calibration.json'}: rule")
-    elif not inference.sampled:
-        check_policy_rule(inference.rule, sm, "inference.rule")
-    name = cal.rule if cal is not None else inference.rule
-    if name == "fixed":  # a depth past the model's steps would run them all and call it that depth
-        depth = DepthSignal.depth(cal.threshold) if cal is not None else inference.param
-        field = f"{Path(run_dir) / 'calibration.json'}: threshold" if cal is not None else "inference.param"
-        if depth is not None and not 1 <= depth <= sm.num_steps:
-            raise ConfigError(f"{field}: a fixed depth must be in 1..{sm.num_steps} (the model's steps); got {depth:g}")
-    rule, desc = active_rule(app.inference(cfg), run_dir, sm.policy, key=signal_key(app, cfg, name), generator=generator)
-    reason = served_baseline(app, cfg, run_dir)
-    if reason is not None:
-        desc += f" (the run deploys {app.baseline_label} at full depth instead: {reason})"
-    return rule, desc
+    """(rule, description) the stop model ``sm`` runs in a trained run (``run_dir`` None: the config's rule):
+    :func:`~learn2stop.core.deployment.load_deployment` of the stop stage."""
+    d = load_deployment(app, cfg, run_dir, stage=app.stop_stage, sm=sm, generator=generator)
+    return d.online, d.description
