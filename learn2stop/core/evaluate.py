@@ -23,14 +23,21 @@ class EvaluatedModel:
     per sample at its stop, ``stop_times`` (N,), ``metric``, ``mean_steps``, ``mean_cost``, ``steps_computed``).
     ``configured``: the same for the config's ``inference`` rule, where the deployed rule is a calibration (the
     configured one is then a second operating point); else None. ``trace``: the stop model's per-step test trace
-    (its policy rules' scores, no classical ones), and ``q_phi`` (N, T) its stop-time distribution, when asked.
+    (its policy rules' scores, no classical ones), when asked; :meth:`q_phi` its stop-time distribution.
     """
 
     deployment: Deployment
     result: dict
     configured: dict | None = None
     trace: Trace | None = None
-    q_phi: torch.Tensor | None = None
+    batches: list | None = None
+
+    def q_phi(self) -> torch.Tensor | None:
+        """(N, T) q_phi of the policy on the test set (:func:`stop_distribution`; None without a trace or a policy)."""
+        sm = self.deployment.model
+        if self.trace is None or sm.policy is None:
+            return None
+        return stop_distribution(sm, self.trace, self.batches)
 
     @property
     def values(self) -> torch.Tensor:
@@ -60,7 +67,7 @@ def evaluate_deployed(app: StoppingApp, cfg: Any, run: Run, stage: str | None = 
     (:func:`~learn2stop.core.deployment.load_deployment`), on the run's first backend.
 
     ``configured``: also the config's ``inference`` rule where the deployed one is a calibration. ``trace``: also
-    the stop model's trace and q_phi (:func:`stop_distribution`). ``run_dir``: where the rule is read from (default
+    the stop model's trace (and so :meth:`EvaluatedModel.q_phi`). ``run_dir``: where the rule is read from (default
     the run's; None: the config's rule alone). ``generator``: for the sampled policy.
     """
     check_config(cfg)
@@ -71,7 +78,7 @@ def evaluate_deployed(app: StoppingApp, cfg: Any, run: Run, stage: str | None = 
     runner = getattr(run, "runner", None)
     kw = {"extras": app.trace_extras(cfg), **({"runner": runner} if runner is not None else {})}
     sm = dep.model
-    out = EvaluatedModel(dep, evaluate_rule(sm.model, batches, lambda: dep.online, metric, dev, **kw))
+    out = EvaluatedModel(dep, evaluate_rule(sm.model, batches, lambda: dep.online, metric, dev, **kw), batches=batches)
     inf = app.inference(cfg)
     if configured and dep.calibrated and not inf.sampled:
         key = signal_key(app, cfg, inf.rule)
@@ -79,8 +86,6 @@ def evaluate_deployed(app: StoppingApp, cfg: Any, run: Run, stage: str | None = 
                                        dev, **kw)
     if trace:
         out.trace = stop_model_trace(app, cfg, sm, "test", dev, with_classical=False)
-        if sm.policy is not None:
-            out.q_phi = stop_distribution(sm, out.trace, batches)
     return out
 
 

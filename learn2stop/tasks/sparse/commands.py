@@ -109,7 +109,7 @@ def evaluate(app: StoppingApp, cfg: SparseConfig, run: RunContext | str | Path) 
                 other = f"LISTA-stop, {cfg.inference.rule} {cfg.inference.param:g}"
                 results["rows"][other] = nmse_from_errors(ev.configured["values"], test)
                 results["depth"][other] = by_snr(ev.configured["stop_times"], ev.configured["mean_steps"])
-            errs_main, q_main = ev.trace.metric, ev.q_phi
+            errs_main, q_main = ev.trace.metric, ev.q_phi()
             results["oracle_nmse"] = nmse_from_errors(errs_main.min(dim=1).values, test)  # needs x*: a bound
             results["min_step"] = int(ev.deployment.model.policy.min_step)
 
