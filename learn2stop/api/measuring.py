@@ -1,29 +1,26 @@
 """Measure a trained model: the accuracy-compute frontier in steps and time, and its rules' speed per batch size.
 
-Both are assembled from the core's curves, timing and frontier report, as the built-in tasks' ``frontier`` command
-assembles them: curves from one trace per split, speeds measured side by side (round-robin passes, the best each).
+The frontier is the built-in tasks' ``frontier`` command's (:func:`~learn2stop.core.frontier.build_frontier`) on your
+model's traces: curves from one trace per split, speeds measured side by side (round-robin passes, the best each).
 """
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 
 from ..core.calibration_file import Calibration
 from ..core.inference import InferenceConfig, policy_rules
-from ..core.curves import (budget_curve, extend_below, fastest_at_quality, fixed_depth_curve, frontier_point,
-                           frontier_summary, oracle_curve, speed_at_quality, sweep_curve)
+from ..core.frontier import DEFAULT_BUDGETS, SpeedPlan, build_frontier
 from ..core.frontier_report import frontier_markdown
-from ..core.timing import SPEED_KEYS, speeds_side_by_side
+from ..core.timing import speeds_side_by_side
 from ..core.model import StoppingModel
-from ..core.rules import FixedDepth, SignalRule
+from ..core.rules import FixedDepth
 from ..core.signal_registry import make_signal
 from ..core.trees import tree_leaves, tree_map
 from .calibrating import as_metric, default_rule, model_trace
 from .data import as_batches, inputs_of
 from .guards import check_full_depth, check_rule_cost
 
-DEFAULT_BUDGETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 class FrontierResult(dict):
@@ -90,42 +87,24 @@ def frontier(sm: StoppingModel, data: Any, metric: Any, *, calibration_data: Any
     (on up to four batches), and where each curve first reaches full
     depth's quality, how fast (``speed_at_quality``; ``fastest_at_quality``: the rule to serve at each batch size).
     ``summary``: the fraction of full depth the policy needs to match it, and its gain over fixed depth at equal
-    mean steps. Prints as the markdown tables of the built-in tasks' ``frontier`` command.
+    mean steps. The same implementation as the built-in tasks' ``frontier`` command
+    (:func:`~learn2stop.core.frontier.build_frontier`), and it prints as that command's markdown tables.
     """
     metric = as_metric(metric)
-    policy = [default_rule(sm), *(r for r in policy_rules(sm.policy) if r != default_rule(sm))] if sm.policy else []
+    main = default_rule(sm) if sm.policy is not None else None
+    policy = [main, *(r for r in policy_rules(sm.policy) if r != main)] if main is not None else []
     batches = as_batches(data, "data", device)
     test = model_trace(sm, batches, metric, [*policy, *classical], device)
     T, N = test.num_steps, test.metric.shape[0]
     check_full_depth([metric(test.metric[:, d], test.extras) for d in range(T)], metric.better, "frontier: on the data")
-    full = frontier_point(test, metric, torch.full((N,), T, dtype=torch.long), test.fixed_depth_costs)
-    curves = {"fixed_depth": fixed_depth_curve(test, metric)}
-    how: dict[str, Any] = {"fixed_depth": lambda p: (lambda: FixedDepth(p["depth"]))}
-    for name in classical:
-        curves[name] = sweep_curve(test, metric, test.signals[name], make_signal(name))
-        how[name] = lambda p, n=name: (lambda: SignalRule(make_signal(n), p["threshold"]))
-    if policy:
-        val = model_trace(sm, as_batches(calibration_data, "calibration_data", device), metric, policy, device)
-        for i, rule in enumerate(policy):
-            name, signal = "policy" if i == 0 else f"policy_{rule}", make_signal(rule, sm.policy)
-            curves[name] = extend_below(budget_curve(test, metric, val, rule, signal, budgets), test, metric, val, rule,
-                                        signal, full["metric"])
-            how[name] = lambda p, r=rule: (lambda: SignalRule(make_signal(r, sm.policy), p["threshold"]))
-    curves["oracle"] = oracle_curve(test, metric)
-    result = FrontierResult(metric=metric.name, lower_is_better=metric.lower_is_better, num_steps=T, full_depth=full,
-                            batch_n=batch_size or 0, device=str(device or "cpu"), test_samples=N, curves=curves,
-                            speed_passes=passes, policy_overhead=None)
+    val = (model_trace(sm, as_batches(calibration_data, "calibration_data", device), metric, policy, device)
+           if policy else None)
+    plan = None
     if batch_size:
-        inputs = inputs_of(batches)
-        jobs = [(full, lambda: FixedDepth())] + [(p, how[n](p)) for n, pts in curves.items() if n in how for p in pts]
-        for key, size in zip(SPEED_KEYS, (1, min(batch_size, N))):
-            part = tree_map(lambda x: x[:speed_samples if size == 1 else 4 * size], inputs)
-            got = speeds_side_by_side([(sm.model, f) for _, f in jobs], part, size, passes * (3 if size == 1 else 1))
-            for (point, _), v in zip(jobs, got):
-                point[key] = v
-        result["batch_n"] = min(batch_size, N)
-        result["speed_reference"] = {"name": "full depth", "metric": full["metric"], **{k: full[k] for k in SPEED_KEYS}}
-        result["speed_at_quality"] = speed_at_quality(curves, metric, full)
-        result["fastest_at_quality"] = fastest_at_quality(result["speed_at_quality"])
-    result["summary"] = frontier_summary(curves, metric, full, T)
-    return result
+        inputs, size = inputs_of(batches), min(batch_size, N)
+        plan = SpeedPlan(tree_map(lambda x: x[:speed_samples], inputs), tree_map(lambda x: x[:4 * size], inputs), size,
+                         passes, 3 * passes)
+    result = build_frontier(sm, test, val, metric, classical={n: (lambda n=n: make_signal(n)) for n in classical},
+                            budgets=budgets, main=main, plan=plan, device=device, batch_n=batch_size or 0,
+                            passes=(passes, 3 * passes))
+    return FrontierResult(result)

@@ -67,26 +67,30 @@ def timing_slice(app: StoppingApp, inputs: Any, size: int) -> Any:
 
 
 def time_rules(app: StoppingApp, cfg: Any, run: Run, jobs: dict[str, tuple[Any, Callable[[], Any]]],
-            sizes: tuple[int, ...]) -> tuple[dict[str, dict[int, float]], str, dict[int, int]]:
+               sizes: tuple[int, ...]) -> tuple[dict[str, dict[int, float]], str, dict[int, int], dict[str, dict[int, float]]]:
     """Samples/s of each named ``(model, rule_factory)`` job at each batch size, side by side (round-robin passes,
-    the best each: :func:`speeds_side_by_side`; :func:`timing_passes` of them) on the task's speed inputs, with the run's
-    first backend (eager torch by default). Returns ({name: {size: samples/s}}, backend name, {asked size: size timed}); a size is capped at
+    the best each: :func:`speeds_side_by_side`; :func:`timing_passes` of them) on the task's speed inputs, with the
+    run's first backend (eager torch by default). Returns ({name: {size: samples/s}}, backend name, {asked size: size
+    timed}, {name: {size: spread of its passes}} (:func:`~learn2stop.core.timing.pass_spread`)); a size is capped at
     the number of speed inputs, and a job the backend cannot run has no entry."""
     inputs = shuffled(app.speed_inputs(cfg, run.device))
     n_in = tree_leaves(inputs)[0].shape[0]
     bname, runner = next(iter((getattr(run, "runners", None) or {"torch": run_with_early_exit}).items()))
     names = list(jobs)
     out: dict[str, dict[int, float]] = {n: {} for n in names}
+    spread: dict[str, dict[int, float]] = {n: {} for n in names}
     timed: dict[int, int] = {}
     skip: set[int] = set()
     for asked in sizes:
         size = timed[asked] = min(asked, n_in)
-        got = speeds_side_by_side([jobs[n] for n in names], timing_slice(app, inputs, size), size, timing_passes(app, size), runner, skip=skip,
-                                  log=lambda m: run.log(f"timing ({bname}): {m}"))
-        for n, v in zip(names, got):
+        spreads: list = []
+        got = speeds_side_by_side([jobs[n] for n in names], timing_slice(app, inputs, size), size,
+                                  timing_passes(app, size), runner, skip=skip,
+                                  log=lambda m: run.log(f"timing ({bname}): {m}"), spreads=spreads)
+        for n, v, d in zip(names, got, spreads):
             if v is not None:
-                out[n][size] = v
-    return {n: v for n, v in out.items() if v}, bname, timed
+                out[n][size], spread[n][size] = v, d
+    return {n: v for n, v in out.items() if v}, bname, timed, {n: v for n, v in spread.items() if v}
 
 
 # ----------------------------------------------------------------------------- commands
@@ -149,8 +153,8 @@ def _fastest_calibration(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel
                          speed_batch: int | None) -> Calibration:
     """The calibrated rule that runs fastest at batch ``speed_batch`` (:func:`time_rules`); the others' speeds and test
     results recorded with it (``Calibration.chosen_by``)."""
-    speeds, bname, sizes = time_rules(app, cfg, run, {r: (sm.model, lambda c=c: calibrated_rule(app, cfg, sm, c))
-                                                   for r, c in cals.items()}, (speed_batch or app.speed_batch,))
+    speeds, bname, sizes, _ = time_rules(app, cfg, run, {r: (sm.model, lambda c=c: calibrated_rule(app, cfg, sm, c))
+                                                      for r, c in cals.items()}, (speed_batch or app.speed_batch,))
     size = next(iter(sizes.values()))
     timed = {r: v[size] for r, v in speeds.items()}
     if not timed:

@@ -1,25 +1,22 @@
-"""The operating point ``reproduce`` deploys, and what a trained run serves.
+"""The operating point ``reproduce`` deploys.
 
 Every rule of the stop model is certified on validation to keep the baseline's full-depth quality and timed
 beside the baseline (``in_time.md`` / ``in_time.json``); the fastest at the served batch size is deployed
 (``calibration.json``), or the baseline itself (``deployment.json`` with the reason) where it is faster or
-nothing reaches its quality. :func:`deployed_model` and :func:`deployed_rule` read that back for the commands
+nothing reaches its quality. :func:`~learn2stop.core.deployment.load_deployment` reads that back for the commands
 that serve inputs."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ..utils.formats import RUN_FORMAT, format_refusal
-from ..utils.config import ConfigError
+from ..utils.formats import RUN_FORMAT
 from ..utils.report import write_json, write_text_atomic
 from .calibration import calibrate_match
 from .calibration_file import Calibration, load_calibration, save_calibration
-from .inference import active_rule
 from .risk_control import calibrate_risk
 from .curves import (budget_costs)
 from .trace import Trace, collect_trace
@@ -28,8 +25,8 @@ from .rules import FixedDepth
 from .signal_registry import SIGNALS, make_signal
 from .signals import DepthSignal
 from .calibrate import calibrate_each, time_rules, timing_passes
-from .task import (Run, StoppingApp, calibrated_rule, check_config, check_policy_rule, check_rule, model_rules,
-                   signal_key, stop_model_trace)
+from .deployment import DEPLOYMENT_FILE, load_deployment, served_baseline  # noqa: F401 - served_baseline: export's
+from .task import Run, StoppingApp, calibrated_rule, model_rules, stop_model_trace
 from .train import load_stage
 
 
@@ -50,7 +47,8 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
     the same target too, and each is timed side by side with the baseline at full depth at batch 1, at
     ``inference.serve_batch`` and at the task's speed batch: ``in_time.json`` / ``in_time.md``
     (:func:`deployment_in_time`). What is deployed is what a user serving at ``serve_batch`` would pick: the fastest of
-    them there (:func:`fastest_certified`: ties within :data:`SPEED_TIE` go to the least cost on validation), which
+    them there (:func:`fastest_certified`: ties within the timing's own spread, :func:`speed_tie`, go to the least cost on
+    validation), which
     may be a fixed depth (it then answers as the policy would, without a policy call), a classical rule, or the
     baseline itself when every certified rule runs slower than it. The saved calibration's ``target["instead_of"]``
     names the policy rule it replaced. With ``app.deploy_in_time`` off (nothing timed), a fixed depth is deployed
@@ -85,9 +83,9 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
 
     signal = make_signal(rule, sm.policy)
     cal = calibrate(rule, val.signals[rule], budget_costs(val, app.budget_by), signal.to_param)
-    policy_cal = cal
+    policy_cal, tie = cal, None
     if app.deploy_in_time:  # every rule certified for the target, timed at the served batch: deploy the fastest
-        cal, why = _deploy_fastest(app, cfg, run, sm, base, val, calibrate, rule, how)
+        cal, why, tie = _deploy_fastest(app, cfg, run, sm, base, val, calibrate, rule, how)
     else:  # untimed: a fixed depth certified at no more cost on validation does what the policy does, without it
         fixed = calibrate("fixed", val.signals["fixed"], budget_costs(val, app.budget_by, "fixed"), DepthSignal.to_param)
         why = ""
@@ -104,12 +102,15 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
         reason = why or (f"no threshold of the stop model's {rule} rule, and no fixed depth, reaches {reference} on "
                          f"validation (full-depth lead {lead:.4g})")
         if run.ctx.is_main:
-            write_json({"format": RUN_FORMAT, "stage": app.baseline_stage, "reason": reason},
-                       Path(run.run_dir) / DEPLOYMENT_FILE)
+            write_json({"format": RUN_FORMAT, "stage": app.baseline_stage, "reason": reason,
+                        **({} if tie is None else {"tie": tie})}, Path(run.run_dir) / DEPLOYMENT_FILE)
         run.log(f"deployed: {app.baseline_label} at full depth, as {reason}; the stop model keeps the configured "
                 f"{app.inference(cfg).rule} rule")
         return None
     cal.target["reference"] = reference
+    if tie is not None:
+        cal.target["tie"] = tie
+        cal.target["serve_batch"] = app.inference(cfg).serve_batch
     if run.ctx.is_main:
         save_calibration(cal, run.run_dir)
         (Path(run.run_dir) / DEPLOYMENT_FILE).unlink(missing_ok=True)
@@ -121,15 +122,22 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
 
 IN_TIME_FILE = "in_time"
 
-#: speeds within this fraction of the fastest are a tie (best-of-passes speeds of one job move by a few per cent
-#: between runs on one machine); a tie goes to the candidate with the least cost on validation
-SPEED_TIE = 0.05
+#: the least tie margin: speeds within this fraction of the fastest are a tie even when the passes agreed closely
+SPEED_TIE_FLOOR = 0.02
 
 
-def fastest_certified(speeds: dict[str, float], costs: dict[str, float], tie: float = SPEED_TIE) -> str | None:
+def speed_tie(spreads: list[float | None], floor: float = SPEED_TIE_FLOOR) -> float:
+    """The tie margin of a choice between speeds: the timing noise measured with them, the largest spread of the
+    timed points' passes (:func:`~learn2stop.core.timing.pass_spread`), and at least ``floor``. Two speeds closer
+    than a pass's own jitter on this machine are not told apart by a timing."""
+    return max([floor, *(v for v in spreads if v is not None)])
+
+
+def fastest_certified(speeds: dict[str, float], costs: dict[str, float], tie: float = SPEED_TIE_FLOOR) -> str | None:
     """The candidate a user serving at one batch size deploys: the fastest (``speeds``: name -> samples/s), with the
-    candidates within ``tie`` of it counted as tied and the tie going to the least validation cost (``costs``: name
-    -> mean cost as a fraction of full depth; the baseline at full depth costs 1). None when nothing was timed."""
+    candidates within ``tie`` of it counted as tied (:func:`speed_tie`) and the tie going to the least validation
+    cost (``costs``: name -> mean cost as a fraction of full depth; the baseline at full depth costs 1). None when
+    nothing was timed."""
     timed = {n: v for n, v in speeds.items() if v is not None and n in costs}
     if not timed:
         return None
@@ -139,16 +147,18 @@ def fastest_certified(speeds: dict[str, float], costs: dict[str, float], tie: fl
 
 
 def _deploy_fastest(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, base: StoppingModel, val: Trace,
-                    calibrate: Callable, rule: str, how: str) -> tuple[Calibration | None, str]:
+                    calibrate: Callable, rule: str, how: str) -> tuple[Calibration | None, str, float]:
     """Every rule of the stop model certified for the target, timed beside the baseline at full depth
     (:func:`deployment_in_time`), and the fastest at ``inference.serve_batch`` chosen (:func:`fastest_certified`):
-    (its calibration, or None where the baseline is fastest or nothing reaches the target; the reason in words)."""
+    (its calibration, or None where the baseline is fastest or nothing reaches the target; the reason in words; the
+    tie margin used, :func:`speed_tie`)."""
     serve = app.inference(cfg).serve_batch
     result, cals = deployment_in_time(app, cfg, run, sm, base, val, calibrate, rule, how, serve)
     size = result["serve_batch"]
     speeds = {row["rule"]: row.get("samples_per_s", {}).get(size) for row in result["rows"]}
     costs = {"baseline": 1.0, **{r: c.calibration["mean_cost"] for r, c in cals.items()}}
-    pick = fastest_certified(speeds, costs)
+    tie = result["tie"]
+    pick = fastest_certified(speeds, costs, tie)
     ref = speeds.get("baseline")
     if pick is None:  # nothing timed (a backend that runs none of them): the least cost on validation
         pick = min(cals, key=lambda r: cals[r].calibration["mean_cost"]) if cals else "baseline"
@@ -161,9 +171,9 @@ def _deploy_fastest(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, bas
     else:
         rate = f", {speeds[pick] / ref:.2f}x {app.baseline_label} at full depth" if ref else ""
         why = (f"; the fastest certified at batch {size} ({speeds[pick]:,.0f} samples/s{rate}; ties within "
-               f"{100 * SPEED_TIE:.0f} % go to the least cost)")
+               f"{100 * tie:.1f} % (the timing's spread) go to the least cost)")
     _write_in_time(app, run, result, pick)
-    return (None if pick == "baseline" else cals[pick]), why
+    return (None if pick == "baseline" else cals[pick]), why, tie
 
 
 def deployment_in_time(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, base: StoppingModel, val: Trace,
@@ -182,7 +192,8 @@ def deployment_in_time(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, 
     cals = calibrate_each(app, cfg, sm, val, test, rules, calibrate)
     jobs = {"baseline": (base.model, FixedDepth)}
     jobs.update({r: (sm.model, lambda c=c: calibrated_rule(app, cfg, sm, c)) for r, c in cals.items()})
-    speeds, bname, sizes = time_rules(app, cfg, run, jobs, tuple(dict.fromkeys((1, serve_batch, app.speed_batch))))
+    speeds, bname, sizes, spreads = time_rules(app, cfg, run, jobs,
+                                               tuple(dict.fromkeys((1, serve_batch, app.speed_batch))))
     ref = speeds.get("baseline", {})
     rows = [{"rule": "baseline", "name": f"{app.baseline_label} at full depth",
              # full depth in the stop model's steps (MAML's baseline makes its ten updates as one output)
@@ -200,6 +211,8 @@ def deployment_in_time(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, 
                      "val_mean_cost": c.calibration["mean_cost"], "samples_per_s": speeds.get(r, {})})
     for row in rows:
         row["speedup"] = {n: row["samples_per_s"][n] / ref[n] for n in row.get("samples_per_s", {}) if n in ref}
+        if "samples_per_s" in row:
+            row["spread"] = spreads.get(row["rule"], {})
     fastest = {}
     for n in sizes.values():
         got = {row["rule"]: row["samples_per_s"][n] for row in rows if n in row.get("samples_per_s", {})}
@@ -209,6 +222,7 @@ def deployment_in_time(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, 
               "backend": bname, "device": str(run.device or "cpu"),
               "passes": {str(n): timing_passes(app, n) for n in sorted(set(sizes.values()))},
               "batch_sizes": sorted(set(sizes.values())), "serve_batch": sizes[serve_batch], "rows": rows,
+              "tie": speed_tie([v.get(sizes[serve_batch]) for v in spreads.values()]),
               "fastest": {str(n): r for n, r in fastest.items()}}
     return result, cals
 
@@ -252,73 +266,12 @@ def in_time_markdown(result: dict) -> str:
     lines.append("\nFastest at the baseline's quality: " + "; ".join(
         f"batch {n}: {names[r]}" for n, r in result["fastest"].items())
                  + f". Deployed: the fastest at the served batch ({result['serve_batch']}, `inference.serve_batch`), "
-                   f"ties within {100 * SPEED_TIE:.0f} % going to the least cost on validation.")
+                   f"ties within {100 * result['tie']:.1f} % (the largest spread of a point's timing passes there, "
+                   f"at least {100 * SPEED_TIE_FLOOR:.0f} %) going to the least cost on validation.")
     return "\n".join(lines)
 
-DEPLOYMENT_FILE = "deployment.json"
-
-
-def served_baseline(app: StoppingApp, cfg: Any, run_dir) -> str | None:
-    """Why the run deploys its baseline at full depth rather than the stop model, or None.
-
-    ``reproduce`` (:func:`deploy_calibration`) records it in ``deployment.json`` when no threshold of the stop
-    model reaches the baseline's full-depth quality on validation: a user who must keep that quality ships the
-    baseline. A calibration saved since (``calibrate``: a user's own operating point) and ``use_calibrated:
-    false`` (the config's rule, asked for) both put the stop model back.
-    """
-    inference = app.inference(cfg)
-    if run_dir is None or not app.baseline_stage or not inference.use_calibrated or inference.sampled:
-        return None
-    path = Path(run_dir) / DEPLOYMENT_FILE
-    if not path.is_file() or load_calibration(run_dir) is not None:
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if data.get("format", 0) != RUN_FORMAT:
-            raise ConfigError(format_refusal(str(path), data.get("format", 0)))
-        stage, reason = data["stage"], data["reason"]
-    except (ValueError, OSError, KeyError, TypeError, AttributeError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"{path} is not a valid deployment record ({e!r}); run reproduce again or delete it") from None
-    if stage != app.baseline_stage or not isinstance(reason, str):
-        raise ConfigError(f"{path}: expected this task's baseline stage {app.baseline_stage!r} and a reason; got stage "
-                          f"{stage!r}, reason {reason!r}; run reproduce again or delete the file")
-    return reason
-
-
-def deployed_model(app: StoppingApp, cfg: Any, run_dir, device=None, generator=None) -> tuple[StoppingModel, Any, str]:
-    """What a trained run serves, (model, rule, description): its baseline at full depth where the run deploys it
-    (:func:`served_baseline`), else the stop model with :func:`deployed_rule`. For the commands that serve inputs."""
-    reason = served_baseline(app, cfg, run_dir)
-    if reason is not None:
-        return (load_stage(app, cfg, run_dir, app.baseline_stage, device), FixedDepth(),
-                f"{app.baseline_label} at full depth, no early exit: {reason}")
-    sm = load_stage(app, cfg, run_dir, app.stop_stage, device)
-    return (sm, *deployed_rule(app, cfg, run_dir, sm, generator=generator))
-
-
 def deployed_rule(app: StoppingApp, cfg: Any, run_dir, sm: StoppingModel, generator=None):
-    """The rule a trained run uses at inference: its calibration if any, else the config's (rule, description).
-    When the run deploys its baseline (:func:`served_baseline`) this is the stop model's rule, and the description
-    says so."""
-    check_config(cfg)
-    inference = app.inference(cfg)
-    check_rule(app, cfg, inference.rule, "inference.rule")
-    cal = load_calibration(run_dir) if run_dir is not None and inference.use_calibrated and not inference.sampled else None
-    if cal is not None:
-        check_rule(app, cfg, cal.rule, f"{Path(run_dir) / 'calibration.json'}: rule")
-        check_policy_rule(cal.rule, sm, f"{Path(run_dir) / 'calibration.json'}: rule")
-    elif not inference.sampled:
-        check_policy_rule(inference.rule, sm, "inference.rule")
-    name = cal.rule if cal is not None else inference.rule
-    if name == "fixed":  # a depth past the model's steps would run them all and call it that depth
-        depth = DepthSignal.depth(cal.threshold) if cal is not None else inference.param
-        field = f"{Path(run_dir) / 'calibration.json'}: threshold" if cal is not None else "inference.param"
-        if depth is not None and not 1 <= depth <= sm.num_steps:
-            raise ConfigError(f"{field}: a fixed depth must be in 1..{sm.num_steps} (the model's steps); got {depth:g}")
-    rule, desc = active_rule(app.inference(cfg), run_dir, sm.policy, key=signal_key(app, cfg, name), generator=generator)
-    reason = served_baseline(app, cfg, run_dir)
-    if reason is not None:
-        desc += f" (the run deploys {app.baseline_label} at full depth instead: {reason})"
-    return rule, desc
+    """(rule, description) the stop model ``sm`` runs in a trained run (``run_dir`` None: the config's rule):
+    :func:`~learn2stop.core.deployment.load_deployment` of the stop stage."""
+    d = load_deployment(app, cfg, run_dir, stage=app.stop_stage, sm=sm, generator=generator)
+    return d.online, d.description

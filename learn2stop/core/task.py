@@ -82,6 +82,8 @@ class StoppingApp:
     #: ``reproduce`` also calibrates every other rule to the deployed target and times each beside the baseline
     #: (:func:`deployment_in_time`).
     deploy_in_time: bool = True
+    #: ``reproduce`` ends with the frontier (:func:`~learn2stop.core.frontier.frontier_command`).
+    reproduce_frontier: bool = False
     #: why the task's stop model cannot be exported to ONNX, or "" (``export`` refuses with this reason)
     export_unsupported: str = ""
     #: input dims (beyond the batch) an export keeps dynamic: {input name: [dims]} (images of any size), or None
@@ -153,6 +155,10 @@ class StoppingApp:
         shapes = [key(b) for b in batches]
         common = max(set(shapes), key=shapes.count)
         return tree_cat([b for b, k in zip(batches, shapes) if k == common])
+
+    def training_note(self, cfg: Any) -> str:
+        """A line ``train`` logs before the first stage (the data it trains on), or ""."""
+        return ""
 
     def cost_unit(self, cfg: Any, sm: StoppingModel) -> tuple[str, float] | None:
         """(name, full-depth amount) of the model's cost, e.g. ("flops", FLOPs of exiting at T): every

@@ -64,16 +64,21 @@ def measure_speed(model: Any, inputs: Any, rule_factory: Callable[[], Any], batc
 
 def speeds_side_by_side(jobs: list[tuple[Any, Callable[[], Any]]], inputs: Any, batch_size: int, passes: int,
                         runner: Callable[..., Any] = run_with_early_exit, skip: set[int] | None = None,
-                        log: Callable[[str], None] | None = None) -> list[float | None]:
+                        log: Callable[[str], None] | None = None,
+                        spreads: list | None = None) -> list[float | None]:
     """Samples per second of each ``(model, rule_factory)`` job on ``inputs`` in batches of ``batch_size``, measured
     side by side: ``passes`` round-robin passes over the jobs, the best per job, so that a drift in the machine's
     load hits every job alike. Only the first pass warms up (and compiles or exports, for such a ``runner``).
 
     A job the backend cannot run (:class:`BackendError`) gets None, is added to ``skip`` (jobs listed there are not
     run: share one set across batch sizes) and is reported through ``log``.
+
+    ``spreads``: a list that receives, per job, how much its passes disagree (:func:`pass_spread`; None for a job
+    not run): the timing noise on this machine, that a choice between two speeds must not read as a difference.
     """
     skip = set() if skip is None else skip
     best: list[float | None] = [None] * len(jobs)
+    seen: list[list[float]] = [[] for _ in jobs]
     for round_ in range(passes):
         for i, (model, factory) in enumerate(jobs):
             if i in skip:
@@ -86,7 +91,19 @@ def speeds_side_by_side(jobs: list[tuple[Any, Callable[[], Any]]], inputs: Any, 
                     log(f"{e}; that job has no speed on this backend")
                 continue
             best[i] = max(best[i] or 0.0, v)
+            seen[i].append(v)
+    if spreads is not None:
+        spreads[:] = [None if i in skip or not seen[i] else pass_spread(seen[i]) for i in range(len(jobs))]
     return [None if i in skip else b for i, b in enumerate(best)]
+
+
+def pass_spread(speeds: list[float]) -> float:
+    """How far one job's timing passes disagree: the relative gap between its best pass and its median pass,
+    ``(best - median) / best`` (0 for one pass, or passes that agree). The best is what is reported, the median
+    what a typical pass gives: their gap is how much a reported speed owes to luck."""
+    ordered = sorted(speeds)
+    best, median = ordered[-1], ordered[(len(ordered) - 1) // 2]
+    return (best - median) / best if best > 0 else 0.0
 
 
 def measure_exit_costs(model: Any, inputs: Any, repeats: int = 5) -> list[float]:

@@ -203,40 +203,6 @@ def as_run(run: "RunContext | str | Path") -> "RunContext":
     return run if isinstance(run, RunContext) else RunContext(Path(run))
 
 
-def train_pipeline(app: Any, cfg: Any, run: "RunContext | str | Path", note: str = "") -> dict:
-    """The ``train`` command of every task: check and lock the run directory, then the core pipeline."""
-    from ..core.task import check_config
-    from ..core.train import run_pipeline
-
-    check_config(cfg)
-    run = as_run(run)
-    run.prepare(cfg)
-    if note:
-        run.log(note)
-    return run_pipeline(app, cfg, run)
-
-
-def reproduce_pipeline(app: Any, cfg: Any, run: "RunContext | str | Path", train: Callable, evaluate: Callable, *,
-                       frontier: bool = False) -> dict:
-    """The ``reproduce`` command of every task: ``train`` (resuming what exists), deploy the rule calibrated to
-    keep the baseline's quality (:func:`~learn2stop.core.deploy.deploy_calibration`), ``evaluate`` with it,
-    optionally the frontier; the total wall-clock is logged."""
-    import time
-
-    from ..core.deploy import deploy_calibration
-    from ..core.frontier import frontier_command
-
-    run = as_run(run)
-    t0 = time.perf_counter()
-    training = train(cfg, run)
-    deploy_calibration(app, cfg, run)
-    out = {"training": training, **evaluate(cfg, run)}
-    if frontier:
-        out["frontier"] = frontier_command(app, cfg, run)["summary"]
-    run.log(f"total wall-clock: {time.perf_counter() - t0:.0f}s")
-    return out
-
-
 @dataclass
 class TaskSpec:
     """An application as the CLI sees it."""
@@ -247,35 +213,63 @@ class TaskSpec:
     presets: dict[str, dict]
     commands: dict[str, Callable[[Any, RunContext], dict]]
     default_preset: str = "quick"
-    app: Any = None  # the task's StoppingApp: adds the core's calibrate and frontier commands
+    app: Any = None  # the task's StoppingApp: adds the core's train, reproduce, calibrate, frontier and export
 
 
 TASKS: Registry[TaskSpec] = Registry("task")
 
 
 def register_task(spec: TaskSpec) -> TaskSpec:
-    """Register a task; a task with a :class:`StoppingApp` gets ``calibrate``, ``frontier`` and ``export`` too."""
+    """Register a task. A task with a :class:`StoppingApp` declares its own commands (``evaluate``: its tables, and
+    any other, e.g. ``predict``) and gets the core's ``train``, ``reproduce``, ``calibrate``, ``frontier`` and
+    ``export`` (:mod:`learn2stop.core.commands`), each ``command(cfg, run)`` with ``run`` a :class:`RunContext` or a
+    run directory's path."""
     if spec.app is not None:
-        from ..core.calibrate import calibrate_command
-        from ..core.frontier import frontier_command
-
-        def calibrate(cfg, run):
-            return calibrate_command(spec.app, cfg, run, run.options.target, rule=run.options.rule,
-                                     fastest=run.options.fastest, speed_batch=run.options.speed_batch)
-
-        def frontier(cfg, run):
-            return frontier_command(spec.app, cfg, run, speed=not run.options.no_speed, runners=run.runners)
-
-        def export(cfg, run):
-            from ..export import export_command
-
-            return export_command(spec.app, cfg, run, out=run.options.out, task=spec.name)
-
-        spec.commands.setdefault("calibrate", calibrate)
-        spec.commands.setdefault("frontier", frontier)
-        spec.commands.setdefault("export", export)
+        spec.commands = {**core_commands(spec.app, spec.name, spec.commands.get("evaluate")), **spec.commands}
+        order = ("train", "evaluate", "reproduce")
+        spec.commands = {**{c: spec.commands[c] for c in order if c in spec.commands},
+                         **{c: f for c, f in spec.commands.items() if c not in order and c not in CORE_LAST},
+                         **{c: spec.commands[c] for c in CORE_LAST}}
     TASKS.register(spec.name)(spec)
     return spec
+
+
+#: the core's commands that close a task's listing
+CORE_LAST = ("calibrate", "frontier", "export")
+
+
+def core_commands(app: Any, task: str, evaluate: Callable | None) -> dict[str, Callable[[Any, Any], dict]]:
+    """The core's commands bound to a task's app: ``train``, ``reproduce`` (which ends with the task's
+    ``evaluate``), ``calibrate``, ``frontier`` and ``export``."""
+    from ..core import commands as core
+
+    def train(cfg, run: "RunContext | str | Path") -> dict:
+        """Train the task's stages into a run directory; resumes what exists."""
+        return core.train(app, cfg, as_run(run))
+
+    def calibrate(cfg, run: "RunContext | str | Path"):
+        """Fit a stop rule to a target: --budget (mean cost) or --epsilon (a risk bound)."""
+        return core.calibrate(app, cfg, as_run(run))
+
+    def frontier(cfg, run: "RunContext | str | Path") -> dict:
+        """Quality against mean steps and wall-clock time, every rule of the task side by side."""
+        return core.frontier(app, cfg, as_run(run))
+
+    def export(cfg, run: "RunContext | str | Path") -> dict:
+        """ONNX graphs and a manifest to serve the run without torch (--out)."""
+        from ..export import export_command
+
+        run = as_run(run)
+        return export_command(app, cfg, run, out=run.options.out, task=task)
+
+    out = {"train": train, "calibrate": calibrate, "frontier": frontier, "export": export}
+    if evaluate is not None:
+        def reproduce(cfg, run: "RunContext | str | Path") -> dict:
+            """Train, deploy the rule calibrated to keep full depth's quality, evaluate."""
+            return core.reproduce(app, cfg, as_run(run), evaluate)
+
+        out["reproduce"] = reproduce
+    return out
 
 
 def get_task(name: str) -> TaskSpec:

@@ -41,6 +41,8 @@ def test_the_frontier_in_time_has_every_point_timed_and_prints_the_in_time_table
     assert all(p["samples_per_s_batch1"] > 0 and p["samples_per_s_batchN"] > 0
                for name, pts in f["curves"].items() if name != "oracle" for p in pts)
     assert "In time" in str(f) and f["fastest_at_quality"]
+    # the frontier command's own implementation: the swept policy, the head-to-head table, the policy's own cost
+    assert f["curves"]["policy_swept"] and "head_to_head" in f and set(f["policy_overhead"]) == {"batch1", "batchN"}
 
 
 @pytest.mark.parametrize("call, match", [

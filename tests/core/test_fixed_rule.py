@@ -106,16 +106,17 @@ def test_the_in_time_table_lists_a_rule_that_never_reaches_the_quality():
                        {"rule": "quantile", "name": "quantile (deployed)", "reached": False},
                        {"rule": "fixed", "name": "fixed, depth 6", "reached": True, "metric": 73.5, "mean_steps": 6.0,
                         "mean_cost": 0.8, "samples_per_s": {1: 120.0}, "speedup": {1: 1.2}}],
-              "fastest": {"1": "fixed", "256": "baseline"}}
+              "fastest": {"1": "fixed", "256": "baseline"}, "tie": 0.034}
     text = in_time_markdown(result)
     assert "| quantile (deployed) | not reached on validation |" in text
     assert "| fixed, depth 6 | 73.5 | 6.00 | 80.0 | 120 | 1.20× | - | - |" in text
     assert "batch 1: fixed, depth 6; batch 256: the network alone at full depth" in text
     assert "9 at batch 1, 3 at batch 256" in text
+    assert "ties within 3.4 %" in text  # the tie used, as measured
 
 
 def test_the_deployment_is_the_fastest_certified_rule_with_ties_to_the_least_cost():
-    from learn2stop.core.deploy import SPEED_TIE, fastest_certified
+    from learn2stop.core.deploy import SPEED_TIE_FLOOR as SPEED_TIE, fastest_certified
 
     costs = {"baseline": 1.0, "price": 0.62, "fixed": 0.75, "tolerance": 0.70}
     # a clear winner is deployed whatever its cost
@@ -129,3 +130,21 @@ def test_the_deployment_is_the_fastest_certified_rule_with_ties_to_the_least_cos
     # rules not timed (None), or without a calibration (no cost), are not candidates
     assert fastest_certified({"baseline": 100.0, "price": None, "unknown": 999.0}, costs) == "baseline"
     assert fastest_certified({}, costs) is None
+
+
+def test_the_tie_margin_is_the_timing_spread_so_a_noisy_table_ties_and_a_tight_one_does_not():
+    from learn2stop.core.deploy import SPEED_TIE_FLOOR, fastest_certified, speed_tie
+    from learn2stop.core.timing import pass_spread
+
+    # one job's passes: the best against the (lower) median pass
+    assert pass_spread([100.0, 90.0, 80.0]) == pytest.approx(0.1)
+    assert pass_spread([100.0, 100.0, 100.0]) == 0.0 and pass_spread([50.0]) == 0.0
+    assert pass_spread([100.0, 60.0, 70.0, 99.0]) == pytest.approx(0.3)  # four passes: the lower middle, 70
+    costs = {"baseline": 1.0, "fixed": 0.8, "price": 0.6}
+    speeds = {"baseline": 100.0, "fixed": 130.0, "price": 122.0}  # price 6.2 % below fixed
+    noisy = speed_tie([pass_spread([130.0, 118.0, 112.0]), pass_spread([122.0, 121.0, 110.0]), None])
+    assert noisy == pytest.approx(12.0 / 130.0)
+    assert fastest_certified(speeds, costs, noisy) == "price"  # within the noise: the fewer steps
+    tight = speed_tie([pass_spread([130.0, 129.5, 129.0]), pass_spread([122.0, 121.8, 121.5])])
+    assert tight == SPEED_TIE_FLOOR  # passes that agree leave the floor
+    assert fastest_certified(speeds, costs, tight) == "fixed"  # a real difference: the faster

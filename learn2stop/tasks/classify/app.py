@@ -44,9 +44,15 @@ class ClassifyApp(StoppingApp):
     speed_samples = 48
     speed_batches = 1
     speed_passes = 2
+    reproduce_frontier = True  # Table 7, then the frontier
 
     def images(self, cfg: ClassifyConfig) -> Images:
         return self.cached(f"images {(cfg.data, cfg.seed)!r}", lambda: Images(cfg))
+
+    def training_note(self, cfg: ClassifyConfig) -> str:
+        imgs = self.images(cfg)
+        return (f"classify: {len(imgs.train)} train / {len(imgs.val)} validation / {len(imgs.test)} test images, "
+                f"{len(imgs.classes)} classes, {cfg.data.size}x{cfg.data.size}")
 
     def network(self, cfg: ClassifyConfig):
         m, imgs = cfg.model, self.images(cfg)

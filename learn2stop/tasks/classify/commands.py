@@ -1,5 +1,5 @@
-"""Early-exit recognition's own commands (``train``, ``evaluate``: Table 7, ``predict``, ``reproduce``; the core
-adds ``calibrate``, ``frontier`` and ``export``) and the task's registration."""
+"""Early-exit recognition's own commands (``evaluate``: Table 7, ``predict``; the core adds ``train``,
+``reproduce``, ``calibrate``, ``frontier`` and ``export``) and the task's registration."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,29 +9,23 @@ import torch
 from torch import Tensor
 
 from ...core.calibration import calibrate_budget
-from ...core.deploy import deployed_model, deployed_rule, served_baseline
+from ...core.deployment import load_deployment
+from ...core.evaluate import evaluate_deployed
 from ...core.loop import run_with_early_exit
 from ...core.signal_registry import SIGNALS
 from ...core.rules import first_crossing, reads_at_stop_alone
 from ...core.task import check_config, stop_model_trace
-from ...core.trace import collect_trace, evaluate_rule
+from ...core.trace import collect_trace
 from ...core.train import load_stage
 from ...utils.config import ConfigError
 from ...utils.images import list_image_files
 from ...utils.outputs import check_output_file, json_output, writing
 from ...utils.report import write_json
-from ..base import TaskSpec, as_run, register_task, reproduce_pipeline, train_pipeline
+from ..base import TaskSpec, as_run, register_task
 from .app import APP
 from .config import PRESETS, ClassifyConfig
 from .data import ImageDataError, load_image_file
 from .report import table7_markdown
-
-
-def train(cfg: ClassifyConfig, run) -> dict:
-    check_config(cfg)  # a dict or a class: one clear TypeError, not an AttributeError deep in the loader
-    imgs = APP.images(cfg)
-    return train_pipeline(APP, cfg, run, f"classify: {len(imgs.train)} train / {len(imgs.val)} validation / "
-                          f"{len(imgs.test)} test images, {len(imgs.classes)} classes, {cfg.data.size}x{cfg.data.size}")
 
 
 @torch.no_grad()
@@ -73,12 +67,11 @@ def evaluate(cfg: ClassifyConfig, run) -> dict:
         rule_rows.append([f"{label} on {'Stage I' if network == 'stage2' else 'SDN'} network", cfg.table_budget,
                           metric(trace.at(stops)), float(flops[stops - 1].mean() / full_flops) * 100,
                           float(stops.float().mean())])
-    sm_rule, desc = deployed_rule(APP, cfg, run.run_dir, sm)
-    r = evaluate_rule(sm.model, test, lambda: sm_rule, metric, dev, runner=run.runner)
-    stop_row = {"rule": desc, "accuracy": r["metric"], "mean_steps": r["mean_steps"],
+    ev = evaluate_deployed(APP, cfg, run)
+    r, reason = ev.result, ev.deployment.reason
+    stop_row = {"rule": ev.desc, "accuracy": r["metric"], "mean_steps": r["mean_steps"],
                 "flops_fraction": r["mean_cost"] * sm.model.exit_costs[-1] / full_flops}  # the costs the rule runs
-    reason = served_baseline(APP, cfg, run.run_dir)
-    if reason is None:
+    if not reason:
         deployed = stop_row
     else:  # the operating point a user who keeps the network alone's accuracy ships: the network alone
         deployed = {"rule": f"{APP.baseline_label} at full depth, no early exit: {reason}", "accuracy": rows[0][1],
@@ -118,7 +111,8 @@ def predict(cfg: ClassifyConfig, run) -> dict:
         for n in notes:
             run.log(f"note: {n}")
         arrays.append(arr)
-    sm, rule, desc = deployed_model(APP, cfg, run.run_dir, run.device)  # the network alone where the run deploys it
+    dep = load_deployment(APP, cfg, run.run_dir, device=run.device)  # the network alone where the run deploys it
+    sm, rule, desc = dep.model, dep.online, dep.description
     r = run_with_early_exit(sm.model, imgs.prepare(torch.from_numpy(np.stack(arrays))).to(run.device), rule)
     flops = _flops_at(sm.model, rule, r.stop_times).tolist()
     out = [{"file": str(f), "class": imgs.classes[int(c)], "exit": int(t), "flops": int(fl)}
@@ -131,17 +125,14 @@ def predict(cfg: ClassifyConfig, run) -> dict:
     return {"predictions": out}
 
 
-def reproduce(cfg: ClassifyConfig, run) -> dict:
-    """Train every network; deploy the rule calibrated to keep the network alone's accuracy (when the stop
-    model leads it at full depth); Table 7, then the frontier."""
-    return reproduce_pipeline(APP, cfg, run, train, evaluate, frontier=True)
-
-
 SPEC = register_task(TaskSpec(
     name="classify",
     description="Early-exit image recognition: VGG and ResNets with internal classifiers, SDN vs Stage I + policy (Sec. 5.4, Table 7)",
     config_class=ClassifyConfig,
     presets=PRESETS,
-    commands={"train": train, "evaluate": evaluate, "reproduce": reproduce, "predict": predict},
+    commands={"evaluate": evaluate, "predict": predict},
     app=APP,
 ))
+#: train every network, resumable; reproduce: train, deploy the rule calibrated to keep the network alone's accuracy
+#: (when the stop model leads it at full depth), Table 7, then the frontier. The core's commands on this app.
+train, reproduce = SPEC.commands["train"], SPEC.commands["reproduce"]

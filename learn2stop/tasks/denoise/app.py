@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 
 from ...core import Metric, StoppingModel, derive_seed
-from ...core.task import Stage, StoppingApp, check_config
+from ...core.task import Stage, StoppingApp
 from ...core.train import min_step_hook
 from ...core.signals import ToleranceSignal
 from ...utils.config import to_dict
 from ...utils.seeding import drawing_from
-from ..base import RunContext, TaskSpec, register_task, reproduce_pipeline, train_pipeline
+from ..base import RunContext, TaskSpec, register_task
 from . import commands
 from .config import PRESETS, DenoiseAppConfig
 from .data import DenoiseTask, NoisyImage, eval_samples, load_training_images
@@ -102,6 +102,10 @@ class DenoiseApp(StoppingApp):
     def classical_signals(self, cfg):
         return {"tolerance": ToleranceSignal}
 
+    def training_note(self, cfg) -> str:
+        return (f"denoise: {len(self.task(cfg).bank)} distinct {cfg.data.patch_size}x{cfg.data.patch_size} training "
+                f"patches (x8 symmetries); {len(self.eval_set(cfg, 'val')) // len(cfg.eval.sigmas)} validation images")
+
     def cost_unit(self, cfg, sm):
         return "macs_per_pixel", float(sm.model.exit_costs[-1])
 
@@ -110,24 +114,11 @@ APP = DenoiseApp()
 
 
 # ----------------------------------------------------------------------------- commands
-def train(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
-    """DnCNN baseline, exits warm-up, Stage I and Stage II (and optional Stage III) for DnCNN-stop; resumable."""
-    check_config(cfg)  # a dict or a class: one clear TypeError, not an AttributeError in the data
-    return train_pipeline(APP, cfg, run, f"denoise: {len(APP.task(cfg).bank)} distinct {cfg.data.patch_size}x"
-                          f"{cfg.data.patch_size} training patches (x8 symmetries); "
-                          f"{len(APP.eval_set(cfg, 'val')) // len(cfg.eval.sigmas)} validation images")
-
-
 def evaluate(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
     """PSNR per image and sigma of DnCNN, DnCNN-stop (real early exit, deployed rule) and BM3D: Table 6.
 
     :func:`.commands.evaluate` on this task's app."""
     return commands.evaluate(APP, cfg, run)
-
-
-def reproduce(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
-    """Train everything (resuming what exists), deploy the calibrated default, then evaluate (Table 6, the figure)."""
-    return reproduce_pipeline(APP, cfg, run, train, evaluate)
 
 
 def denoise_files(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
@@ -137,13 +128,14 @@ def denoise_files(cfg: DenoiseAppConfig, run: RunContext | str | Path) -> dict:
     return commands.denoise_files(APP, cfg, run)
 
 
-COMMANDS = {"train": train, "evaluate": evaluate, "reproduce": reproduce, "denoise": denoise_files}
-
 SPEC = register_task(TaskSpec(
     name="denoise",
     description="DnCNN-stop: blind Gaussian denoising, the policy picks the depth per image (Sec. 5.3)",
     config_class=DenoiseAppConfig,
     presets=PRESETS,
-    commands=COMMANDS,
+    commands={"evaluate": evaluate, "denoise": denoise_files},
     app=APP,
 ))
+#: the DnCNN baseline, exits warm-up, Stage I and II (and optional III), resumable; reproduce: train, deploy the
+#: calibrated default, evaluate (Table 6, the figure). The core's commands (:mod:`learn2stop.core.commands`).
+train, reproduce = SPEC.commands["train"], SPEC.commands["reproduce"]

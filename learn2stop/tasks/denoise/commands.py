@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 
 from ...core import FixedDepth, derive_seed, run_with_early_exit
-from ...core.deploy import deployed_model, deployed_rule
+from ...core.deployment import load_deployment
+from ...core.evaluate import evaluate_deployed
 from ...core.task import StoppingApp, check_config
-from ...core.trace import collect_trace, evaluate_rule
+from ...core.trace import evaluate_rule
 from ...core.train import load_stage
 from ...utils.config import ConfigError
 from ...utils.outputs import check_output_file, json_output, writing
@@ -32,15 +33,17 @@ def evaluate(app: StoppingApp, cfg: DenoiseAppConfig, run: RunContext | str | Pa
     run = as_run(run)
     dev, metric, items = run.device, app.metric(cfg), app.eval_set(cfg, "test")
     batches = app.eval_batches(cfg, "test", dev)
-    sm = load_stage(app, cfg, run.run_dir, app.stop_stage, dev)
-    rule, desc = deployed_rule(app, cfg, run.run_dir, sm, generator=torch.Generator().manual_seed(cfg.seed))
+    ev = evaluate_deployed(app, cfg, run, generator=torch.Generator().manual_seed(cfg.seed), trace=True)
+    sm, rule, desc = ev.deployment.model, ev.rule, ev.desc
     models = {"DnCNN": (load_stage(app, cfg, run.run_dir, "baseline", dev).model, FixedDepth),
               "DnCNN-stop": (sm.model, lambda: rule)}
+    results = {"DnCNN": evaluate_rule(models["DnCNN"][0], batches, FixedDepth, metric, dev, runner=run.runner),
+               "DnCNN-stop": ev.result}
     if cfg.stage3.iterations > 0:
-        s3 = load_stage(app, cfg, run.run_dir, "stage3", dev)
-        models["DnCNN-stop (III)"] = (s3.model, lambda: deployed_rule(app, cfg, None, s3)[0])
-    results = {name: evaluate_rule(model, batches, factory, metric, dev, runner=run.runner) for name, (model, factory) in models.items()}
-    trace = collect_trace(sm.model, batches, metric, dev)  # every exit of every image: the last and the best
+        s3 = evaluate_deployed(app, cfg, run, "stage3")
+        models["DnCNN-stop (III)"] = (s3.deployment.model.model, lambda: s3.rule)
+        results["DnCNN-stop (III)"] = s3.result
+    trace = ev.trace  # every exit of every image: the last and the best
     timed = {**models, "DnCNN-stop full depth": (sm.model, FixedDepth)}
     timing = {b: ms_per_image(timed, [x for x, _ in batches], b, cfg.eval.timing_rounds) for b in (1, app.speed_batch)}
     bm3d, note = bm3d_scores(items, cfg.eval.bm3d, cfg.eval.bm3d_max_images, run.log)
@@ -81,7 +84,8 @@ def denoise_files(app: StoppingApp, cfg: DenoiseAppConfig, run: RunContext | str
     out_dir = Path(c.output) if c.output else run.run_dir / "denoised"
     _check_outputs(files, out_dir, c.add_sigma > 0, run.run_dir)  # before any work: no input or run record overwritten
     if c.model == "stop":  # what the run deploys: DnCNN-stop and its rule, or its baseline where the run deploys that
-        sm, rule, desc = deployed_model(app, cfg, run.run_dir, run.device)
+        dep = load_deployment(app, cfg, run.run_dir, device=run.device)
+        sm, rule, desc = dep.model, dep.online, dep.description
     else:
         sm, rule, desc = load_stage(app, cfg, run.run_dir, "baseline", run.device), FixedDepth(), "full depth"
     run.log(f"denoise: {c.model} model, {desc}")

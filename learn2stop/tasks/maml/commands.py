@@ -1,4 +1,4 @@
-"""MAML-stop's own commands (``train``, ``evaluate``, ``reproduce``; the core adds ``calibrate``, ``frontier`` and
+"""MAML-stop's own command (``evaluate``; the core adds ``train``, ``reproduce``, ``calibrate``, ``frontier`` and
 ``export``) and the task's registration."""
 from __future__ import annotations
 
@@ -7,23 +7,18 @@ from typing import Any
 
 import torch
 
-from ...core.deploy import deployed_rule
+from ...core.evaluate import evaluate_deployed
 from ...core.rules import FixedDepth
-from ...core.task import check_config, signal_key
+from ...core.task import check_config
 from ...core.trace import collect_trace, evaluate_rule
 from ...core.train import load_stage
 from ...utils.report import write_json
 from ...utils.seeding import derive_seed
-from ..base import RunContext, TaskSpec, as_run, register_task, reproduce_pipeline, train_pipeline
+from ..base import RunContext, TaskSpec, as_run, register_task
 from .app import APP
 from .config import PRESETS, MAMLConfig
 from .models import meta_learner, step_view
 from .report import plot_stop_by_shot, results_markdown, stop_steps_by_shot, summarize
-
-
-def train(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
-    """Train MAML (baseline) and MAML-stop (Stage I, then Stage II) with equal meta-iterations; resumable."""
-    return train_pipeline(APP, cfg, run)
 
 
 def evaluate(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
@@ -35,13 +30,12 @@ def evaluate(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
     run = as_run(run)
     dev, metric, T = run.device, APP.metric(cfg), cfg.model.inner_steps
     base = load_stage(APP, cfg, run.run_dir, "baseline", dev)
-    stop = load_stage(APP, cfg, run.run_dir, APP.stop_stage, dev)
     batches = APP.eval_batches(cfg, "test", dev)
     shots = torch.cat([i["shots"].cpu() for i, _ in batches])
     scale = 1.0 if metric.lower_is_better else 100.0
     gen = torch.Generator().manual_seed(derive_seed(cfg.seed, "test-stop"))  # for the sampled rule
-    rule, desc = deployed_rule(APP, cfg, run.run_dir, stop, generator=gen)
-    learned = evaluate_rule(stop.model, batches, lambda: rule, metric, dev, runner=run.runner)
+    ev = evaluate_deployed(APP, cfg, run, generator=gen, configured=True)
+    stop, rule, desc, learned = ev.deployment.model, ev.rule, ev.desc, ev.result
     result: dict[str, Any] = {"metric": metric.name, "lower_is_better": metric.lower_is_better, "rule": desc}
     if cfg.eval.per_step:
         maml_steps = collect_trace(step_view(base, cfg), batches, metric, dev).metric  # (N, T) per-task metric
@@ -56,11 +50,8 @@ def evaluate(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
     # the deployment ships a certified fixed depth where it costs no more than the learned stop (deploy_calibration)
     label = f"MAML-stop (fixed depth {rule.depth or T})" if isinstance(rule, FixedDepth) else "MAML-stop (learned stop)"
     rows = {f"MAML ({T} steps)": summarize(maml_last, scale), label: summarize(learned["values"], scale)}
-    if desc.startswith("calibrated") and not cfg.inference.sampled:  # the configured rule as a second operating point
-        inf = cfg.inference
-        key = signal_key(APP, cfg, inf.rule)
-        other = evaluate_rule(stop.model, batches, lambda: inf.make_rule(stop.policy, gen, key), metric, dev,
-                              runner=run.runner)
+    if ev.configured is not None:  # the configured rule as a second operating point
+        inf, other = cfg.inference, ev.configured
         rows[f"MAML-stop ({inf.rule} {inf.param:g}, {other['mean_steps']:.2f} steps)"] = summarize(other["values"], scale)
     if cfg.eval.per_step:
         sign = 1.0 if metric.lower_is_better else -1.0
@@ -82,17 +73,14 @@ def evaluate(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
     return result
 
 
-def reproduce(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
-    """Train both methods (resuming what exists), deploy the calibrated default, then evaluate them on the same
-    test tasks."""
-    return reproduce_pipeline(APP, cfg, run, train, evaluate)
-
-
 SPEC = register_task(TaskSpec(
     name="maml",
     description="MAML-stop: meta-learning with a learned number of inner steps per task (Sec. 5.2)",
     config_class=MAMLConfig,
     presets=PRESETS,
-    commands={"train": train, "evaluate": evaluate, "reproduce": reproduce},
+    commands={"evaluate": evaluate},
     app=APP,
 ))
+#: train MAML (baseline) and MAML-stop (Stage I, then II) with equal meta-iterations, resumable; reproduce: train,
+#: deploy the calibrated default, evaluate both on the same test tasks. The core's commands on this app.
+train, reproduce = SPEC.commands["train"], SPEC.commands["reproduce"]

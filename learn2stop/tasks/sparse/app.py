@@ -1,5 +1,5 @@
-"""LISTA-stop end to end: the task's :class:`~learn2stop.core.task.StoppingApp`, its train / evaluate / reproduce
-commands and its registration. The config and presets are in :mod:`.config`, the problems in :mod:`.data`, the NMSE in
+"""LISTA-stop end to end: the task's :class:`~learn2stop.core.task.StoppingApp`, its evaluate command and its
+registration (the core adds train, reproduce, calibrate, frontier and export). The config and presets are in :mod:`.config`, the problems in :mod:`.data`, the NMSE in
 :mod:`.metric`, the evaluation in :mod:`.commands`, the tables and figures in :mod:`.report`.
 
 Python API (the CLI calls exactly these)::
@@ -20,7 +20,7 @@ from ...core.train import min_step_hook
 from ...core.signals import ToleranceSignal
 from ...utils.config import to_dict
 from ...utils.seeding import drawing_from
-from ..base import RunContext, TaskSpec, register_task, reproduce_pipeline, train_pipeline
+from ..base import RunContext, TaskSpec, as_run, register_task
 from . import commands
 from .config import PRESETS, SparseConfig, equal_budget_config
 from .data import SparseRecoveryTask
@@ -107,23 +107,13 @@ def build_lista_stop(cfg: SparseConfig, task: SparseRecoveryTask | None = None, 
 
 
 # ----------------------------------------------------------------------------- commands
-def train(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
-    """Train LISTA (baseline), LISTA-stop (Stage I, II and optionally III) and AEVB; resumable."""
-    return train_pipeline(APP, cfg, run)
-
-
 def evaluate(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
     """Evaluate every trained model and the tuned ISTA/FISTA on the fixed test set; write tables and plots.
 
     The stop models run real early exit with the deployed rule (the run's calibration if any, else ``inference``):
     :func:`.commands.evaluate` on this task's app.
     """
-    return commands.evaluate(APP, cfg, run)
-
-
-def reproduce(cfg: SparseConfig, run: RunContext | str | Path) -> dict:
-    """Train everything (resuming what exists), deploy the calibrated default, then evaluate: Tables 1-2, Figure 4."""
-    return reproduce_pipeline(APP, cfg, run, train, evaluate)
+    return commands.evaluate(APP, cfg, as_run(run))
 
 
 SPEC = register_task(TaskSpec(
@@ -131,6 +121,9 @@ SPEC = register_task(TaskSpec(
     description="Sparse recovery: LISTA-stop vs LISTA, ISTA, FISTA (paper Sec. 5.1, Tables 1-2, Fig. 4)",
     config_class=SparseConfig,
     presets=PRESETS,
-    commands={"train": train, "evaluate": evaluate, "reproduce": reproduce},
+    commands={"evaluate": evaluate},
     app=APP,
 ))
+#: train LISTA, LISTA-stop (Stage I, II, optionally III) and AEVB, resumable; reproduce: train, deploy the calibrated
+#: default, evaluate (Tables 1-2, Figure 4). The core's commands (:mod:`learn2stop.core.commands`) on this app.
+train, reproduce = SPEC.commands["train"], SPEC.commands["reproduce"]

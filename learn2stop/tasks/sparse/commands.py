@@ -8,12 +8,10 @@ from typing import Any
 
 import torch
 
-from ...core import log_stop_time_distribution, stop_time_distribution
-from ...core.deploy import deployed_rule
-from ...core.distributions import replanned_log_q
+from ...core.evaluate import evaluate_deployed
 from ...core.loop import unroll
-from ...core.task import StoppingApp, check_config, stop_model_trace
-from ...core.trace import collect_trace, evaluate_rule
+from ...core.task import StoppingApp, check_config
+from ...core.trace import collect_trace
 from ...core.train import load_stage
 from ...utils.report import write_json
 from ..base import RunContext, as_run
@@ -71,6 +69,10 @@ def evaluate(app: StoppingApp, cfg: SparseConfig, run: RunContext | str | Path) 
     def per_step(model) -> torch.Tensor:  # (N, T) squared errors of every step
         return collect_trace(model, batches, metric, dev).metric
 
+    def by_snr(times: torch.Tensor, mean: float | None = None) -> dict:  # mean stop step, overall and per SNR
+        return {"mean": float(times.float().mean()) if mean is None else mean,
+                **{f"{s:g}": float(times[test.snr == s].float().mean()) for s in cfg.problem.snrs}}
+
     t0 = time.perf_counter()
     for algo, cls in (("ISTA", ISTA), ("FISTA", FISTA)):
         tuned = tune_classical(cfg, task, algo, dev)
@@ -95,37 +97,21 @@ def evaluate(app: StoppingApp, cfg: SparseConfig, run: RunContext | str | Path) 
     for label, stage in stop_models.items():
         if stage is None:
             continue
-        sm = load_stage(app, cfg, run.run_dir, stage, dev)
-        rule, desc = deployed_rule(app, cfg, run.run_dir if stage == "stage2" else None, sm,
-                                   generator=torch.Generator().manual_seed(cfg.seed))
-        r = evaluate_rule(sm.model, batches, lambda: rule, metric, dev, extras=app.trace_extras(cfg), runner=run.runner)
-        times = r["stop_times"]
-        results["rows"][label] = nmse_from_errors(r["values"], test)
-        results["depth"][label] = {"mean": float(times.float().mean()),
-                                   **{f"{s:g}": float(times[test.snr == s].float().mean()) for s in cfg.problem.snrs}}
+        ev = evaluate_deployed(app, cfg, run, stage, generator=torch.Generator().manual_seed(cfg.seed),
+                               configured=stage == "stage2", trace=stage == "stage2")
+        results["rows"][label] = nmse_from_errors(ev.values, test)
+        results["depth"][label] = by_snr(ev.stop_times)
         if stage == "stage2":
-            results["rule"] = desc
+            results["rule"] = ev.desc
             results["rows"][f"LISTA-stop (T<={T})"] = results["rows"][label]
             results["depth"][f"LISTA-stop (T<={T})"] = results["depth"][label]
-            inf = cfg.inference
-            if desc.startswith("calibrated") and not inf.sampled:  # the configured rule as a second operating point
-                other = f"LISTA-stop, {inf.rule} {inf.param:g}"
-                r2 = evaluate_rule(sm.model, batches, lambda: inf.make_rule(sm.policy), metric, dev, runner=run.runner,
-                                   extras=app.trace_extras(cfg))
-                results["rows"][other] = nmse_from_errors(r2["values"], test)
-                results["depth"][other] = {"mean": r2["mean_steps"], **{f"{s:g}": float(r2["stop_times"][test.snr == s]
-                                                                       .float().mean()) for s in cfg.problem.snrs}}
-            trace = stop_model_trace(app, cfg, sm, "test", dev, with_classical=False)
-            errs_main = trace.metric
-            if "threshold" in trace.signals:
-                q_main = stop_time_distribution(trace.signals["threshold"].clamp_min(0))  # pi_t -> q_phi (-inf: not asked)
-            else:  # a second plan: its q_phi is the two plans combined
-                with torch.no_grad():
-                    rolls = [sm.unroll(y) for y, _ in batches]
-                    q_main = torch.cat([replanned_log_q(log_stop_time_distribution(r.stop_logits), r.replan_log_q,
-                                                        sm.policy.replan_step).exp().cpu() for r in rolls])
+            if ev.configured is not None:  # the configured rule as a second operating point
+                other = f"LISTA-stop, {cfg.inference.rule} {cfg.inference.param:g}"
+                results["rows"][other] = nmse_from_errors(ev.configured["values"], test)
+                results["depth"][other] = by_snr(ev.configured["stop_times"], ev.configured["mean_steps"])
+            errs_main, q_main = ev.trace.metric, ev.q_phi()
             results["oracle_nmse"] = nmse_from_errors(errs_main.min(dim=1).values, test)  # needs x*: a bound
-            results["min_step"] = int(sm.policy.min_step)
+            results["min_step"] = int(ev.deployment.model.policy.min_step)
 
     results["training_curve"] = training_curves(cfg, run.run_dir, float(app.task(cfg).val.x.pow(2).sum(1).double().mean()))
     table1, table2 = _tables(results, cfg)

@@ -192,7 +192,7 @@ def test_a_run_no_threshold_of_which_keeps_the_baselines_accuracy_deploys_the_ne
     assert "network alone" not in json.loads((run / "predictions.json").read_text())["rule"]
     monkeypatch.setattr(APP, "quality_lead", lambda cfg, val, base: 0.02)
     # whichever certified rule of the stop model the timing picks (here the cheapest: timings are the machine's)
-    monkeypatch.setattr(deploy, "fastest_certified", lambda speeds, costs: min((r for r in costs if r != "baseline"),
+    monkeypatch.setattr(deploy, "fastest_certified", lambda speeds, costs, tie: min((r for r in costs if r != "baseline"),
                                                                                key=costs.get))
     assert deploy.deploy_calibration(APP, cfg, RunContext(run_dir=run, progress=False)) is not None
     assert (run / "calibration.json").is_file() and not (run / "deployment.json").exists()
