@@ -206,7 +206,7 @@ class LmConfig:
     (a per-token policy), CALM's rules, all calibrated by Learn-then-Test."""
 
     #: read-only sections, left out of the run's fingerprint
-    reader_fields: ClassVar[tuple[str, ...]] = ("calibration", "eval", "prompt", "max_new_tokens", "rule")
+    reader_fields: ClassVar[tuple[str, ...]] = ("calibration", "eval", "prompt", "max_new_tokens", "exit_rule")
     #: where the data lies
     location_fields: ClassVar[tuple[str, ...]] = ("data.path",)
 
@@ -218,7 +218,7 @@ class LmConfig:
     """The GPT and its policy."""
     method: LmMethodConfig = field(default_factory=LmMethodConfig)
     """The oracle and deep supervision."""
-    baseline: LmStageConfig = field(default_factory=lambda: LmStageConfig(iters=1500))
+    baseline: LmStageConfig = field(default_factory=lambda: LmStageConfig(iters=2000))
     """The plain GPT, trained at full depth."""
     deep: LmStageConfig = field(default_factory=lambda: LmStageConfig(iters=300, lr=1e-3, warmup=20))
     """Deep supervision, fine-tuned from the baseline's weights."""
@@ -231,7 +231,7 @@ class LmConfig:
     """Learn-then-Test."""
     eval: LmEvalConfig = field(default_factory=LmEvalConfig)
     """Evaluation on the test split."""
-    rule: str = "deployed"
+    exit_rule: str = "deployed"
     """generate: deployed (the run's certified default) or one of policy, margin, saturation, fixed, full."""
     prompt: str = "ROMEO:"
     """generate: the text to continue."""
@@ -245,7 +245,7 @@ class LmConfig:
             except ConfigError as e:
                 raise e.within(f"{name}.") from None
         int_at_least(self.seed, "seed", 0)
-        one_of(self.rule, ("deployed", "policy", "margin", "saturation", "fixed", "full"), "rule")
+        one_of(self.exit_rule, ("deployed", "policy", "margin", "saturation", "fixed", "full"), "exit_rule")
         positive_int(self.max_new_tokens, "max_new_tokens")
         require(isinstance(self.prompt, str) and self.prompt != "", "prompt", "must hold at least one character")
         require(math.isfinite(self.method.price), "method.price", "must be finite")
