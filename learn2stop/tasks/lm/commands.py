@@ -80,16 +80,18 @@ def train(cfg: LmConfig, run: RunContext | str | Path) -> dict:
     return summary
 
 
-def load_run(cfg: LmConfig, run: RunContext, command: str):
-    """The vocabulary, splits and trained models of a finished run, for a reading command."""
+def load_run(cfg: LmConfig, run: RunContext, command: str, with_data: bool = True):
+    """The vocabulary, splits (None without ``with_data``: generation reads no corpus) and trained models of a
+    finished run, for a reading command."""
     run.prepare(cfg, command)
     run_dir = Path(run.run_dir)
     vocab = run_vocab(run_dir)
     missing = [s for s in STAGES if not checkpoint_path(run_dir, s).is_file()]
     if missing:
         raise FileNotFoundError(f"{run_dir}: stage(s) {', '.join(missing)} not trained yet (run 'learn2stop lm train')")
-    _, splits = load_data(cfg, vocab)
-    models = train_stages(cfg, run_dir, splits.train, len(vocab), log=lambda m: None)["models"]
+    splits = load_data(cfg, vocab)[1] if with_data else None
+    train_ids = splits.train if splits is not None else torch.empty(0, dtype=torch.long)  # every stage is loaded
+    models = train_stages(cfg, run_dir, train_ids, len(vocab), log=lambda m: None)["models"]
     return vocab, splits, models
 
 
@@ -153,7 +155,7 @@ def generate_command(cfg: LmConfig, run: RunContext | str | Path) -> dict:
     if prompt.shape[1] + cfg.max_new_tokens - 1 > cfg.model.context:
         raise ConfigError(f"the prompt ({prompt.shape[1]} characters) + max_new_tokens ({cfg.max_new_tokens}) - 1 "
                           f"exceeds the model's context ({cfg.model.context})", "max_new_tokens")
-    _, _, models = load_run(cfg, run, "generate")
+    _, _, models = load_run(cfg, run, "generate", with_data=False)
     label, gpt, rule = deployed_rule(cfg, run_dir, models)
     view = StepwiseGPT(gpt)
     check_prompt(gpt, prompt, cfg.max_new_tokens)

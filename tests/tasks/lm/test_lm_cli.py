@@ -55,6 +55,8 @@ def test_generate_streams_text_and_reports_depth_and_speed(trained, capsys):
     assert main(["lm", "generate", *tiny(run_dir, corpus, "--prompt", prompt, "--max_new_tokens", "5",
                                          "--exit_rule", "full")]) == 0
     assert "mean exit layer 3.00 of 3" in capsys.readouterr().out
+    moved = corpus.parent / "moved-away.txt"  # generation reads the run's vocabulary, not the corpus
+    assert main(["lm", "generate", *tiny(run_dir, moved, "--prompt", prompt, "--max-new-tokens", "3")]) == 0
 
 
 def cli(args: list[str]) -> int:
