@@ -74,7 +74,8 @@ def backbone_loss(stage: str, cfg: LmConfig, gpt: GPT, x: Tensor, y: Tensor) -> 
     losses = per_exit_losses(gpt, x, y)  # (N, E)
     if stage == "deep":
         return weighted_step_loss(losses, deep_weights(cfg.method.deep_weights, losses.shape[1]))
-    return (oracle_q(cfg, gpt, losses) * losses).sum(1).mean()  # Stage I, q* held fixed
+    stage1 = (oracle_q(cfg, gpt, losses) * losses).sum(1).mean()  # Stage I, q* held fixed
+    return stage1 + cfg.method.full_depth_weight * losses[:, -1].mean()
 
 
 def lr_at(s: LmStageConfig, it: int) -> float:
