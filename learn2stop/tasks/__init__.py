@@ -6,7 +6,7 @@ def load_all() -> None:
     """Import every bundled application so that it registers (kept lazy: torch-heavy imports)."""
     import importlib
 
-    for name in ("sparse", "maml", "denoise", "classify"):
+    for name in ("sparse", "maml", "denoise", "classify", "lm"):
         try:
             importlib.import_module(f"{__name__}.{name}")
         except ModuleNotFoundError as e:

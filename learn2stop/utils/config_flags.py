@@ -86,7 +86,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, values: dic
             value = value[part]
         doc = re.sub(r":\w+:`~?(?:[\w]+\.)*([\w]+)`", r"\1", doc).replace("``", "")  # reST markup, for a terminal
         help_ = f"{doc} (default: {_cli_value(value)})" if doc else f"(default: {_cli_value(value)})"
-        groups[section].add_argument(f"--{name}", dest=f"cfg:{name}", default=argparse.SUPPRESS, metavar=_metavar(tp),
+        flags = [f"--{name}"]
+        if "." not in name and "_" in name and f"--{name.replace('_', '-')}" not in parser._option_string_actions:
+            flags.append(f"--{name.replace('_', '-')}")  # a top-level field also as --max-new-tokens
+        groups[section].add_argument(*flags, dest=f"cfg:{name}", default=argparse.SUPPRESS, metavar=_metavar(tp),
                                      help=help_.replace("%", "%%"))
 
 

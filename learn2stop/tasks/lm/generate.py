@@ -87,8 +87,9 @@ def prefill(gpt: GPT, cache: KVCache, idx: Tensor) -> Tensor:
 def generate(view: StepwiseGPT, prompt: Tensor, max_new_tokens: int, exit_rule=None) -> Generation:
     """Greedy continuation of prompt (B, T0) by ``max_new_tokens`` tokens, each exiting where ``exit_rule`` says.
 
-    ``exit_rule(t, logits) -> (B_active,) bool`` is asked after exit step t = 1..T-1 with the (B_active, V) logits of
-    the rows still running (None: no early exit). The prompt but its last token is prefilled at full depth; every new
+    ``exit_rule(t, logits, h, h_prev) -> (B_active,) bool`` is asked after exit step t = 1..T-1 with the rows still
+    running: their (B_active, V) logits at the exit, their (B_active, C) hidden state there and at the exit before
+    (the embedding at t = 1) (None: no early exit). The prompt but its last token is prefilled at full depth; every new
     token is predicted at an exit.
     """
     gpt = view.gpt
@@ -111,6 +112,7 @@ def decode_token(view: StepwiseGPT, cache: KVCache, token: Tensor, exit_rule=Non
     its (B,) exit step; the rows that stop leave the batch and get their later layers' cache by propagation."""
     gpt, pos, B = view.gpt, cache.length, token.shape[0]
     h = gpt.embed(token[:, None], pos)  # (B, 1, C) the rows still running
+    h_prev = h[:, 0]  # (B_active, C) the hidden state at the previous exit (the embedding before the first)
     rows = None  # None: every row (no gather); else the (B_active,) rows still running
     logits = h.new_empty(B, gpt.cfg.vocab_size)
     exit_steps = torch.full((B,), view.num_steps, dtype=torch.long, device=token.device)
@@ -124,7 +126,8 @@ def decode_token(view: StepwiseGPT, cache: KVCache, token: Tensor, exit_rule=Non
         if exit_rule is None:
             continue
         out = gpt.head(h[:, 0])  # (B_active, V) the exit's logits
-        stops = exit_rule(t, out)  # (B_active,) bool
+        stops = exit_rule(t, out, h[:, 0], h_prev)  # (B_active,) bool
+        h_prev = h[:, 0]
         if not bool(stops.any()):
             continue
         here = torch.arange(B, device=token.device) if rows is None else rows
@@ -133,7 +136,7 @@ def decode_token(view: StepwiseGPT, cache: KVCache, token: Tensor, exit_rule=Non
         for layer in range(view.exit_layers[t - 1] + 1, gpt.cfg.n_layer + 1):  # complete their later layers
             k, v = gpt.propagated_kv(layer, h[stops])
             cache.write(layer - 1, stopped, k, v, pos)
-        rows, h = here[~stops], h[~stops]
+        rows, h, h_prev = here[~stops], h[~stops], h_prev[~stops]
         if rows.numel() == 0:
             break
     cache.length = pos + 1

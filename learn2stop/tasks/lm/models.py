@@ -232,18 +232,19 @@ class StepwiseGPT(nn.Module):
 def score_with_exits(view: StepwiseGPT, idx: Tensor, exit_rule) -> tuple[Tensor, Tensor]:
     """Score every position of idx (B, T), each token stopping at the first exit where ``exit_rule`` says so.
 
-    ``exit_rule(t, logits)`` takes step t and the (B, T, V) logits there and returns (B, T) bool (stop now); it is
-    asked at t = 1..T-1, and what still goes stops at T. Returns the (B, T, V) logits of each position at its exit
+    ``exit_rule(t, logits, h, h_prev)`` takes step t, the (B, T, V) logits there, the (B, T, C) hidden states there
+    and at the exit before (the embeddings at t = 1) and returns (B, T) bool (stop now); it is asked at t = 1..T-1, and what still goes stops at T. Returns the (B, T, V) logits of each position at its exit
     and its (B, T) 1-based exit step.
     """
     state = view.initial_state(idx)
     exits = torch.full(idx.shape, view.num_steps, dtype=torch.long, device=idx.device)
-    logits = None
+    logits, h_prev = None, state["h"]
     for t in range(1, view.num_steps + 1):
         state = view.step(t, state, idx)
         logits = view.readout(t, state, idx)
         if t < view.num_steps:
-            stops = exit_rule(t, logits) & state["going"]
+            stops = exit_rule(t, logits, state["h"], h_prev) & state["going"]
+            h_prev = state["h"]
             exits[stops] = t
             state = view.stop(state, stops)
     return logits, exits

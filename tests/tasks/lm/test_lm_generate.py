@@ -12,7 +12,7 @@ from learn2stop.tasks.lm.models import Block
 
 def confidence_rule(threshold: float):
     """Stop a row once its exit's top probability reaches ``threshold``."""
-    return lambda t, logits: logits.softmax(-1).amax(-1) >= threshold
+    return lambda t, logits, h, h_prev: logits.softmax(-1).amax(-1) >= threshold
 
 
 def median_confidence(gpt, prompt) -> float:
@@ -84,7 +84,7 @@ def test_rows_that_stop_at_the_first_exit_cost_no_later_block(monkeypatch):
         return original(self, *args)
 
     monkeypatch.setattr(Block, "cached", counted)
-    out = generate(StepwiseGPT(gpt), prompts(4, 1), 5, lambda t, logits: torch.ones(len(logits), dtype=torch.bool))
+    out = generate(StepwiseGPT(gpt), prompts(4, 1), 5, lambda t, logits, h, h_prev: torch.ones(len(logits), dtype=torch.bool))
     assert ran == [0] * 5 and bool((out.exit_steps == 1).all())
 
 

@@ -24,7 +24,7 @@ def test_no_stop_gives_the_full_models_logits_exactly(exit_every, n_layer):
         for block in gpt.blocks[gpt.cfg.exit_layers[t - 2] if t > 1 else 0:layer]:
             h = block(h)
         assert torch.equal(rollout.step_outputs[t - 1], gpt.head(h))
-    logits, exits = score_with_exits(view, idx, lambda t, out: torch.zeros(out.shape[:2], dtype=torch.bool))
+    logits, exits = score_with_exits(view, idx, lambda t, out, h, h_prev: torch.zeros(out.shape[:2], dtype=torch.bool))
     assert torch.equal(logits, gpt(idx)) and bool((exits == view.num_steps).all())
 
 
@@ -45,7 +45,7 @@ def test_early_exit_with_state_propagation_matches_the_token_by_token_reference(
     idx = torch.randint(13, (3, 10), generator=g)
     planned = torch.randint(1, view.num_steps + 1, idx.shape, generator=g)  # (B, T) exit step of each position
     planned[0] = view.num_steps  # a row where nothing stops, beside rows with mixed exits
-    logits, exits = score_with_exits(view, idx, lambda t, out: planned == t)
+    logits, exits = score_with_exits(view, idx, lambda t, out, h, h_prev: planned == t)
     assert torch.equal(exits, planned) and len(set(planned[1:].flatten().tolist())) == view.num_steps
     layers = torch.tensor(gpt.cfg.exit_layers)[planned - 1]  # (B, T) exit layer of each position
     for b in range(idx.shape[0]):
@@ -61,11 +61,11 @@ def test_state_propagation_is_what_later_tokens_read():
     idx = torch.randint(13, (1, 9), generator=torch.Generator().manual_seed(6))
     planned = torch.full(idx.shape, view.num_steps)
     planned[0, 4] = 1  # position 4 stops after layer 1
-    before, _ = score_with_exits(view, idx, lambda t, out: planned == t)
+    before, _ = score_with_exits(view, idx, lambda t, out, h, h_prev: planned == t)
     with torch.no_grad():
         for m in gpt.propagate_maps:
             m.weight.mul_(0.5)
-    after, _ = score_with_exits(view, idx, lambda t, out: planned == t)
+    after, _ = score_with_exits(view, idx, lambda t, out, h, h_prev: planned == t)
     assert torch.equal(before[0, :5], after[0, :5])
     assert (before[0, 5:] - after[0, 5:]).abs().amax(-1).min() > 1e-6
 

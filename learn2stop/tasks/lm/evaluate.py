@@ -1,0 +1,182 @@
+"""The language model's evaluation: every rule calibrated on validation tokens, then scored with real early exit on
+the test split, its greedy generations compared with its backbone's full depth, and generation and scoring timed
+side by side (torch.inference_mode, best of ``eval.timing_rounds`` passes, the same prompts for every row).
+
+Rows: the plain GPT at full depth; deep supervision at full depth and with CALM's margin rule (certified); Stage I
+at full depth, with the policy, CALM's margin and saturation rules and the cheapest certified fixed exit (each
+certified); Stage I's oracle exits (a bound: they need the labels); LayerSkip's self-speculative decoding on
+Stage I (batch 1, draft layer the certified fixed exit; its tokens are Stage I's full-depth ones exactly).
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from ...utils.report import write_json
+from .config import LmConfig
+from .generate import generate
+from .metric import (calibrate_rule, costs_of, oracle_exits, rule_for, score_split, trace_split, windows)
+from .models import StepwiseGPT
+from .speculative import self_speculative_decode
+
+
+def _prompts(cfg: LmConfig, ids: torch.Tensor) -> torch.Tensor:
+    """``eval.prompts`` prompts of ``eval.prompt_length`` tokens from seeded positions of the test split."""
+    n = cfg.eval.prompt_length
+    starts = torch.randint(ids.numel() - n, (cfg.eval.prompts,), generator=torch.Generator().manual_seed(cfg.seed + 7))
+    return ids[starts[:, None] + torch.arange(n)]
+
+
+def _generate_all(view, prompts, n, rule, batch: int = 64):
+    """Greedy continuations of every prompt (in batches) and the exit layers of their new tokens."""
+    layers = torch.tensor(view.gpt.cfg.exit_layers)
+    toks, used = [], []
+    with torch.inference_mode():
+        for i in range(0, prompts.shape[0], batch):
+            out = generate(view, prompts[i:i + batch], n, rule)
+            toks.append(out.tokens[:, prompts.shape[1]:])
+            used.append(layers[out.exit_steps - 1])
+    return torch.cat(toks), torch.cat(used).float()
+
+
+def _timed(fn, rounds: int) -> float:
+    best = math.inf
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _certify(cfg: LmConfig, gpt, policy, val, rules) -> dict:
+    trace = trace_split(gpt, *val, policy)
+    c = cfg.calibration
+    return {r: calibrate_rule(trace, r, costs_of(gpt), c.risk, c.epsilon, c.delta, c.max_tokens) for r in rules}
+
+
+def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
+    from .report import write_reports
+
+    run_dir, log, ctx = Path(run.run_dir), run.log, cfg.model.context
+    val, test = windows(splits.val, ctx), windows(splits.test, ctx)
+    base, deep, (s1, policy) = models["baseline"][0], models["deep"][0], models["stage2"]
+    log("calibrating on the validation split ...")
+    cal = {"deep": _certify(cfg, deep, None, val, ["margin"]),
+           "stage1": _certify(cfg, s1, policy, val, ["policy", "margin", "saturation", "fixed"])}
+    lam = {k: {r: c.threshold for r, c in v.items()} for k, v in cal.items()}
+    fixed_step = lam["stage1"]["fixed"]  # a step index; its layer is the exit's
+    fixed_step = int(fixed_step) if math.isfinite(fixed_step) else len(s1.cfg.exit_layers)
+    fixed_k = s1.cfg.exit_layers[fixed_step - 1]
+    inf = math.inf
+    rows = [("full depth (GPT)", "baseline", base, "full", inf, None),
+            ("deep supervision, full depth", "deep", deep, "full", inf, None),
+            ("deep supervision + CALM margin", "deep", deep, "margin", lam["deep"]["margin"], None),
+            ("Stage I, full depth", "stage1", s1, "full", inf, None),
+            ("Stage I + policy", "stage1", s1, "policy", lam["stage1"]["policy"], policy),
+            ("Stage I + CALM margin", "stage1", s1, "margin", lam["stage1"]["margin"], None),
+            ("Stage I + CALM saturation", "stage1", s1, "saturation", lam["stage1"]["saturation"], None),
+            (f"Stage I + fixed exit {fixed_k}", "stage1", s1, "fixed", float(fixed_step), None)]
+    test_trace = trace_split(s1, *test, policy)
+    planned = oracle_exits(cfg, s1, test_trace, test[0].shape)
+    val_planned = oracle_exits(cfg, s1, trace_split(s1, *val), val[0].shape)
+    prompts = _prompts(cfg, splits.test)
+    n_new = cfg.eval.new_tokens
+    reference = {k: _generate_all(StepwiseGPT(m), prompts, n_new, None)[0]
+                 for k, m in (("baseline", base), ("deep", deep), ("stage1", s1))}
+    results, token_losses = [], {}
+    for label, key, gpt, name, lm, pol in rows:
+        log(f"scoring {label} ...")
+        rule = rule_for(gpt, name, lm, pol)
+        v, t = score_split(gpt, *val, rule), score_split(gpt, *test, rule)
+        toks, used = _generate_all(StepwiseGPT(gpt), prompts, n_new, rule)
+        token_losses[label] = t.pop("token_losses")
+        t.pop("exit_layers"), v.pop("token_losses"), v.pop("exit_layers")
+        c = cal.get(key, {}).get(name)
+        results.append({"row": label, "backbone": key, "rule": name, "threshold": None if not math.isfinite(lm) else lm,
+                        "certified": c.calibration if c is not None else None,
+                        "val_loss": v["loss"], **{f"test_{k}": x for k, x in t.items()},
+                        "generation_agreement": float((toks == reference[key]).float().mean()),
+                        "generation_mean_layers": float(used.mean())})
+    v = score_split(s1, *val, None, planned=val_planned)
+    t = score_split(s1, *test, None, planned=planned)
+    token_losses["Stage I oracle"] = t.pop("token_losses")
+    results.append({"row": "Stage I oracle exits (bound: needs labels)", "backbone": "stage1", "rule": "oracle",
+                    "threshold": None, "certified": None, "val_loss": v["loss"],
+                    **{f"test_{k}": x for k, x in t.items() if k != "exit_layers"},
+                    "generation_agreement": None, "generation_mean_layers": None})
+    draft = fixed_k if fixed_k < s1.cfg.n_layer else max(1, s1.cfg.n_layer // 2)
+    log("timing generation and scoring ...")
+    timing = _time_rows(cfg, rows, prompts, test, draft, s1)
+    spec_ok = all(torch.equal(self_speculative_decode(s1, prompts[i:i + 1], n_new, draft).tokens[0, prompts.shape[1]:],
+                              reference["stage1"][i]) for i in range(min(10, prompts.shape[0])))
+    full_row = next(r for r in results if r["row"] == "Stage I, full depth")
+    results.append({**{k: full_row[k] for k in full_row if k.startswith(("test_", "val_"))},
+                    "row": f"self-speculative (draft layer {draft})", "backbone": "stage1", "rule": "speculative",
+                    "threshold": None, "certified": None, "test_mean_layers": None,
+                    "generation_agreement": 1.0 if spec_ok else 0.0, "generation_mean_layers": None})
+    deployable = [r for r in results if r["backbone"] == "stage1" and r["rule"] in ("policy", "margin", "saturation",
+                                                                                   "fixed")]
+    fastest = max(deployable, key=lambda r: timing[r["row"]]["generate"].get(1, 0.0))
+    deployed = {"backbone": "stage1", "rule": fastest["rule"], "row": fastest["row"],
+                "chosen_by": "fastest batch-1 generation among Stage I's certified rules",
+                "thresholds": {r: (None if not math.isfinite(x) else x) for r, x in lam["stage1"].items()},
+                "calibration": {k: {r: c.to_dict() for r, c in v.items()} for k, v in cal.items()}}
+    write_json(deployed, run_dir / "deployed.json")
+    h2h = _head_to_head(cfg, test_trace, costs_of(s1)) if cfg.eval.head_to_head else None
+    out = {"results": results, "timing": timing, "deployed": deployed, "head_to_head": h2h,
+           "prompts": int(prompts.shape[0]), "new_tokens": n_new, "test_tokens": int(test[0].numel()),
+           "val_tokens": int(val[0].numel())}
+    write_reports(cfg, run_dir, out, test_trace, s1)
+    log(f"deployed: {deployed['row']} (the fastest certified at batch 1)")
+    return out
+
+
+def _time_rows(cfg: LmConfig, rows, prompts, test, draft: int, s1) -> dict:
+    """Generation tokens/s at each of ``eval.timing_batches`` and scoring tokens/s, every row in each round."""
+    n, rounds = cfg.eval.timing_tokens, cfg.eval.timing_rounds
+    batches = {b: prompts[torch.arange(b) % prompts.shape[0]] for b in cfg.eval.timing_batches}
+    x = test[0][:16]
+    best = {label: {"generate": {b: math.inf for b in batches}, "score": math.inf} for label, *_ in rows}
+    spec = f"self-speculative (draft layer {draft})"
+    best[spec] = {"generate": {1: math.inf}, "score": None}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for label, key, gpt, name, lm, pol in rows:
+                rule, view = rule_for(gpt, name, lm, pol), StepwiseGPT(gpt)
+                for b, p in batches.items():
+                    best[label]["generate"][b] = min(best[label]["generate"][b],
+                                                     _timed(lambda: generate(view, p, n, rule), 1))
+                best[label]["score"] = min(best[label]["score"], _timed(lambda: score_split(gpt, x, x, rule), 1))
+            best[spec]["generate"][1] = min(best[spec]["generate"][1], _timed(
+                lambda: self_speculative_decode(s1, batches[1][:1] if 1 in batches else prompts[:1], n, draft), 1))
+    out = {}
+    for label, d in best.items():
+        out[label] = {"generate": {b: b * n / s for b, s in d["generate"].items()},
+                      "score": None if d["score"] is None else x.numel() / d["score"]}
+    return out
+
+
+def _head_to_head(cfg: LmConfig, trace, costs, resamples: int = 200) -> list[dict]:
+    """The policy against CALM's rules at equal mean layers (30 .. 90 % of L) on the test trace: the mean
+    per-token loss difference (policy minus rule) with a paired bootstrap 95 % interval."""
+    from ...core.head_to_head import stops_at_cost
+
+    N = trace.losses.shape[0]
+    g = torch.Generator().manual_seed(cfg.seed)
+    idx = torch.randint(N, (resamples, N), generator=g)
+    out = []
+    for budget in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
+        at = {}
+        for rule in ("policy", "margin", "saturation"):
+            stops = stops_at_cost(trace.signals[rule], costs, budget, torch.Generator().manual_seed(1))
+            at[rule] = trace.losses.gather(1, (stops - 1)[:, None])[:, 0]
+        for rule in ("margin", "saturation"):
+            d = at["policy"] - at[rule]
+            boot = d[idx].mean(1)
+            lo, hi = torch.quantile(boot, torch.tensor([0.025, 0.975])).tolist()
+            out.append({"budget": budget, "against": rule, "policy_loss": float(at["policy"].mean()),
+                        "rule_loss": float(at[rule].mean()), "diff": float(d.mean()), "low": lo, "high": hi})
+    return out

@@ -1,0 +1,71 @@
+"""Per-token exit rules for the language model, and the per-exit signals they threshold.
+
+Every rule has the interface of :func:`~.models.score_with_exits` and :func:`~.generate.generate`:
+``rule(t, logits, h, h_prev) -> bool mask`` with logits (..., V) at exit t, h (..., C) the hidden state there and
+h_prev the one at the exit before (the embedding at t = 1). A rule stops a token when its signal is >= its threshold
+``lam`` (the form Learn-then-Test calibrates, :func:`~learn2stop.core.risk_control.calibrate_risk`):
+
+- ``margin``: CALM's softmax response, top-1 minus top-2 probability;
+- ``saturation``: CALM's hidden-state saturation, cos(h, h_prev);
+- ``policy``: the learned policy's stop probability (:class:`~.policy.ExitPolicy`);
+- ``fixed``: the step index t itself (a threshold k stops every token at exit k);
+- ``full``: never before the last exit.
+The oracle (each token's best exit given its label) is not a rule of this form: it needs the labels, so it is a
+bound, scored with a known exit per position (:func:`planned_rule`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+RULES = ("policy", "margin", "saturation", "fixed", "full")
+
+
+def softmax_margin(logits: Tensor) -> Tensor:
+    """Top-1 minus top-2 probability of logits (..., V): (...,) in [0, 1]."""
+    top = logits.float().softmax(-1).topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
+def saturation(h: Tensor, h_prev: Tensor) -> Tensor:
+    """cos(h, h_prev) of hidden states (..., C): (...,) in [-1, 1]."""
+    return F.cosine_similarity(h.float(), h_prev.float(), dim=-1)
+
+
+def signal_of(name: str, t: int, logits: Tensor, h: Tensor, h_prev: Tensor, policy=None, num_steps: int = 1) -> Tensor:
+    """The (...,) signal of rule ``name`` at exit t (stop when >= its threshold)."""
+    if name == "margin":
+        return softmax_margin(logits)
+    if name == "saturation":
+        return saturation(h, h_prev)
+    if name == "policy":
+        if policy is None:
+            raise ValueError("rule 'policy' needs a trained policy (the run has no Stage II checkpoint?)")
+        return torch.sigmoid(policy(policy.features(t, logits, h, h_prev, num_steps)))
+    if name == "fixed":
+        return logits.new_full(logits.shape[:-1], float(t))
+    if name == "full":
+        return logits.new_full(logits.shape[:-1], -math.inf)
+    raise ValueError(f"rule must be one of {', '.join(RULES)}; got {name!r}")
+
+
+def make_rule(name: str, lam: float, policy=None, num_steps: int = 1):
+    """The exit rule ``name`` at threshold ``lam`` (inf: full depth): ``rule(t, logits, h, h_prev) -> bool mask``."""
+    if name not in RULES:
+        raise ValueError(f"rule must be one of {', '.join(RULES)}; got {name!r}")
+    if not isinstance(lam, (int, float)) or math.isnan(lam):
+        raise ValueError(f"rule {name!r}: the threshold must be a number; got {lam!r}")
+
+    def rule(t: int, logits: Tensor, h: Tensor, h_prev: Tensor) -> Tensor:
+        return signal_of(name, t, logits, h, h_prev, policy, num_steps) >= lam
+
+    rule.name, rule.lam = name, float(lam)
+    return rule
+
+
+def planned_rule(exits: Tensor):
+    """The rule that stops each position at its given 1-based exit, exits (B, T) (the oracle's bound)."""
+    return lambda t, logits, h, h_prev: exits == t

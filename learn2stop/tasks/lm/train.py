@@ -1,0 +1,194 @@
+"""The language model's stages: the plain GPT (the baseline, full depth), deep supervision, Stage I and Stage II.
+
+Every stage reads the per-token, per-exit cross-entropy losses (N, T) of a batch (N = batch x context tokens, one
+row each, T exits): the baseline trains the last column, deep supervision a weighted sum of the columns, Stage I
+sum_t q*(t) CE_t with the oracle q*(t) proportional to exp(-(CE_t + price c_t) / beta) held fixed (the core's
+:func:`~learn2stop.core.distributions.oracle_distribution` under :func:`~learn2stop.core.distributions.log_cost_prior`,
+c_t = layers / L), and Stage II the policy's stop-time distribution fitted to q* by forward KL with the backbone
+frozen (:func:`~learn2stop.core.losses.stage2_forward_kl`). Deep supervision and Stage I start from the baseline's
+weights. Each stage's result is one atomic checkpoint; a finished stage is loaded, not run again.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ...core.distributions import log_cost_prior, oracle_distribution
+from ...core.losses import stage2_forward_kl, weighted_step_loss
+from ...utils.checkpoint import load_checkpoint, save_checkpoint
+from .config import LmConfig, LmStageConfig
+from .data import sample_windows
+from .models import GPT
+from .policy import ExitPolicy, exit_features
+
+STAGES = ("baseline", "deep", "stage1", "stage2")
+
+
+def exit_states(gpt: GPT, x: Tensor) -> list[Tensor]:
+    """The hidden states (B, T, C) of x (B, T) at the embedding and after every exit layer, at full depth."""
+    h = gpt.embed(x)
+    out, exits = [h], set(gpt.cfg.exit_layers)
+    for layer, block in enumerate(gpt.blocks, start=1):
+        h = block(h)
+        if layer in exits:
+            out.append(h)
+    return out
+
+
+def per_exit_losses(gpt: GPT, x: Tensor, y: Tensor, states: list[Tensor] | None = None) -> Tensor:
+    """(B * T, E) cross-entropy of every token at every exit (E exits), one row per token."""
+    states = exit_states(gpt, x) if states is None else states
+    logits = torch.stack([gpt.head(h) for h in states[1:]], 2)  # (B, T, E, V)
+    E = logits.shape[2]
+    ce = F.cross_entropy(logits.flatten(0, 2), y[:, :, None].expand(-1, -1, E).flatten(), reduction="none")
+    return ce.view(-1, E)
+
+
+def exit_cost_fractions(gpt: GPT) -> Tensor:
+    """c_t = layers run to exit t / L, (E,)."""
+    return torch.tensor(gpt.cfg.exit_layers, dtype=torch.float32) / gpt.cfg.n_layer
+
+
+def oracle_q(cfg: LmConfig, gpt: GPT, losses: Tensor) -> Tensor:
+    """q*(t) proportional to exp(-(CE_t + price c_t) / beta) for losses (N, E), detached: (N, E)."""
+    prior = log_cost_prior(exit_cost_fractions(gpt), cfg.method.price, cfg.method.beta)
+    return oracle_distribution(losses.detach(), cfg.method.beta, prior)
+
+
+def deep_weights(kind: str, E: int) -> Tensor:
+    """Deep supervision's exit weights, summing to 1: uniform, or rising with depth (w_t proportional to t)."""
+    w = torch.ones(E) if kind == "uniform" else torch.arange(1, E + 1, dtype=torch.float32)
+    return w / w.sum()
+
+
+def backbone_loss(stage: str, cfg: LmConfig, gpt: GPT, x: Tensor, y: Tensor) -> Tensor:
+    """The training loss of a backbone stage on one batch."""
+    if stage == "baseline":
+        return F.cross_entropy(gpt(x).flatten(0, 1), y.flatten())
+    losses = per_exit_losses(gpt, x, y)  # (N, E)
+    if stage == "deep":
+        return weighted_step_loss(losses, deep_weights(cfg.method.deep_weights, losses.shape[1]))
+    stage1 = (oracle_q(cfg, gpt, losses) * losses).sum(1).mean()  # Stage I, q* held fixed
+    return stage1 + cfg.method.full_depth_weight * losses[:, -1].mean()
+
+
+def lr_at(s: LmStageConfig, it: int) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio``."""
+    if it < s.warmup:
+        return s.lr * (it + 1) / s.warmup
+    frac = (it - s.warmup) / max(1, s.iters - s.warmup)
+    return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def make_optimizer(params, s: LmStageConfig) -> torch.optim.Optimizer:
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.99))
+
+
+def fit(params, loss_fn, s: LmStageConfig, draw, log, name: str, every: int = 100) -> list[float]:
+    """``s.iters`` AdamW steps of loss_fn(x, y) on batches from draw(); the running losses, every ``every`` steps."""
+    opt, history, running = make_optimizer(params, s), [], None
+    for it in range(s.iters):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(s, it)
+        x, y = draw()
+        loss = loss_fn(x, y)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"{name}: the loss is {float(loss)} at step {it}; lower {name}.lr")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
+        opt.step()
+        value = float(loss.detach())
+        running = value if running is None else 0.95 * running + 0.05 * value
+        if (it + 1) % every == 0 or it + 1 == s.iters:
+            history.append(running)
+            log(f"  {name} step {it + 1}/{s.iters}: loss {running:.4f}")
+    return history
+
+
+def policy_batch(cfg: LmConfig, gpt: GPT, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """The frozen backbone's policy features (N, E - 1, 6) and per-exit losses (N, E) of a batch, N = tokens."""
+    with torch.no_grad():
+        states = exit_states(gpt, x)
+        losses = per_exit_losses(gpt, x, y, states)
+        E = len(states) - 1
+        feats = [exit_features(t, gpt.head(states[t]), states[t], states[t - 1], E) for t in range(1, E)]
+    return torch.stack(feats, 2).flatten(0, 1), losses
+
+
+def stage2_loss(cfg: LmConfig, gpt: GPT, policy: ExitPolicy, feats: Tensor, losses: Tensor) -> Tensor:
+    """Forward KL(q* || q_phi) per token, averaged: the policy's (N, E - 1) stop logits against q*."""
+    prior = log_cost_prior(exit_cost_fractions(gpt), cfg.method.price, cfg.method.beta)
+    return stage2_forward_kl(policy(feats), losses, cfg.method.beta, prior)
+
+
+def checkpoint_path(run_dir: Path, stage: str) -> Path:
+    return Path(run_dir) / "checkpoints" / f"{stage}.pt"
+
+
+def train_stages(cfg: LmConfig, run_dir: Path, train_ids: Tensor, vocab_size: int, log=print,
+                 evaluate=None) -> dict:
+    """Run (or load) every stage in turn; returns {stage: summary} and leaves the models in ``models``.
+
+    ``evaluate(stage, gpt, policy) -> dict`` (optional) is called when a stage finishes, its result stored in the
+    stage's checkpoint (the validation loss of each stage, for the report)."""
+    gcfg = cfg.model.gpt(vocab_size)
+    models, summary = {}, {}
+    for stage in STAGES:
+        path = checkpoint_path(run_dir, stage)
+        s = getattr(cfg, stage)
+        if path.is_file():
+            ck = load_checkpoint(path)
+            models[stage] = _restore(stage, ck, gcfg, cfg, models)
+            summary[stage] = ck["summary"]
+            log(f"{stage}: loaded {path.name} (finished earlier)")
+            continue
+        torch.manual_seed(cfg.seed + STAGES.index(stage))
+        draw = _drawer(train_ids, s.batch, gcfg.context, torch.Generator().manual_seed(cfg.seed * 1000 + STAGES.index(stage)))
+        t0 = time.perf_counter()
+        if stage == "stage2":
+            gpt = models["stage1"][0]
+            policy = ExitPolicy(cfg.model.policy_hidden)
+            policy.fit_scale(policy_batch(cfg, gpt, *draw())[0])
+            history = fit(policy.parameters(), lambda x, y: stage2_loss(cfg, gpt, policy, *policy_batch(cfg, gpt, x, y)),
+                          s, draw, log, stage)
+            models[stage] = (gpt, policy)
+        else:
+            gpt = copy.deepcopy(models["baseline"][0]) if stage != "baseline" else GPT(gcfg)
+            gpt.train()
+            history = fit(gpt.parameters(), lambda x, y: backbone_loss(stage, cfg, gpt, x, y), s, draw, log, stage)
+            gpt.eval()
+            models[stage] = (gpt, None)
+        summary[stage] = {"iters": s.iters, "seconds": time.perf_counter() - t0, "train_loss": history,
+                          **(evaluate(stage, *models[stage]) if evaluate else {})}
+        gpt, policy = models[stage]
+        payload = {"stage": stage, "summary": summary[stage], "gpt": gpt.state_dict() if stage != "stage2" else None,
+                   "policy": policy.state_dict() if policy is not None else None}
+        save_checkpoint(payload, path)
+        log(f"{stage}: done in {summary[stage]['seconds']:.0f}s, saved {path.name}")
+    return {"models": models, "summary": summary}
+
+
+def _drawer(ids: Tensor, batch: int, context: int, gen: torch.Generator):
+    return lambda: sample_windows(ids, batch, context, gen, what="training split")
+
+
+def _restore(stage: str, ck: dict, gcfg, cfg: LmConfig, models: dict):
+    """A finished stage's (gpt, policy) from its checkpoint (Stage II's backbone is Stage I's, loaded before it)."""
+    if stage == "stage2":
+        policy = ExitPolicy(cfg.model.policy_hidden)
+        policy.load_state_dict(ck["policy"])
+        return models["stage1"][0], policy.eval()
+    gpt = GPT(gcfg)
+    gpt.load_state_dict(ck["gpt"])
+    return gpt.eval(), None

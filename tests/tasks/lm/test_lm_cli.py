@@ -1,0 +1,105 @@
+"""``learn2stop lm`` end to end on a tiny config (train, evaluate, generate), and bad input refused by name with
+nothing written."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import shared_data
+from test_lm_stages import markov_text
+
+from learn2stop.cli import main
+
+
+def tiny(run_dir, corpus, *extra):
+    return ["--preset", "tiny", "--threads", "1", "--no-progress", "--run-dir", str(run_dir), "--data.path",
+            str(corpus), *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lm")
+    corpus = root / "corpus.txt"
+    corpus.write_text(markov_text(4000), encoding="utf-8")
+    run_dir = root / "run"
+    assert main(["lm", "train", *tiny(run_dir, corpus)]) == 0
+    assert main(["lm", "evaluate", *tiny(run_dir, corpus)]) == 0
+    return run_dir, corpus
+
+
+def test_train_and_evaluate_write_the_tables(trained):
+    run_dir, _ = trained
+    for name in ("results.md", "results.json", "in_time.md", "in_time.json", "frontier.png", "deployed.json",
+                 "head_to_head.md", "training.json", "vocab.json"):
+        assert (run_dir / name).is_file(), name
+    results = json.loads((run_dir / "results.json").read_text())
+    rows = {r["row"]: r for r in results}
+    assert rows["full depth (GPT)"]["test_mean_layers"] == 3.0
+    assert rows["Stage I, full depth"]["generation_agreement"] == 1.0
+    assert any(r["row"].startswith("self-speculative") and r["generation_agreement"] == 1.0 for r in results)
+    for r in results:
+        if r["certified"] is not None:
+            assert r["certified"]["risk"] <= 0.01  # the certified validation risk is within epsilon
+    in_time = json.loads((run_dir / "in_time.json").read_text())
+    assert in_time["rows"][0]["rule"] == "baseline" and in_time["batch_sizes"] == [1, 4]
+    deployed = json.loads((run_dir / "deployed.json").read_text())
+    assert deployed["rule"] in ("policy", "margin", "saturation", "fixed")
+
+
+def test_generate_streams_text_and_reports_depth_and_speed(trained, capsys):
+    run_dir, corpus = trained
+    prompt = markov_text(3)
+    assert main(["lm", "generate", *tiny(run_dir, corpus, "--prompt", prompt, "--max-new-tokens", "10")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(prompt) and "mean exit layer" in out and "tokens/s" in out
+    assert main(["lm", "generate", *tiny(run_dir, corpus, "--prompt", prompt, "--max_new_tokens", "5",
+                                         "--exit_rule", "full")]) == 0
+    assert "mean exit layer 3.00 of 3" in capsys.readouterr().out
+    moved = corpus.parent / "moved-away.txt"  # generation reads the run's vocabulary, not the corpus
+    assert main(["lm", "generate", *tiny(run_dir, moved, "--prompt", prompt, "--max-new-tokens", "3")]) == 0
+
+
+def cli(args: list[str]) -> int:
+    """The exit code of ``learn2stop ...`` (a refused flag exits through argparse, code 2)."""
+    try:
+        return main(args)
+    except SystemExit as e:
+        return e.code
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--prompt", "Z!"], "outside the vocabulary"),
+    (["--prompt", "a" * 40], "more than the model's context"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--prompt", ""], "prompt"),
+])
+def test_generate_refuses_bad_input_by_name(trained, capsys, args, needle):
+    run_dir, corpus = trained
+    files = lambda: sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir() if p.name != ".lock")  # noqa: E731
+    before = files()
+    assert cli(["lm", "generate", *tiny(run_dir, corpus, *args)]) == 2
+    assert needle in capsys.readouterr().err
+    assert files() == before  # nothing written (the run lock aside)
+
+
+def test_train_refuses_bad_corpora_and_settings_writing_nothing(tmp_path, capsys):
+    empty, binary, short, ok = (tmp_path / n for n in ("empty.txt", "bin.txt", "short.txt", "ok.txt"))
+    empty.write_bytes(b"")
+    binary.write_bytes(b"abc\xff\xfe")
+    short.write_text("to be or not to be " * 5, encoding="utf-8")
+    ok.write_text(markov_text(3000), encoding="utf-8")
+    for corpus, needle, extra in [(empty, "empty", []), (binary, "not UTF-8", []), (short, "context + 1", []),
+                                  (tmp_path / "missing.txt", "data.path", []),
+                                  (ok, "baseline.batch", ["--baseline.batch", "0"])]:
+        run_dir = tmp_path / "never"
+        assert cli(["lm", "train", *tiny(run_dir, corpus, *extra)]) == 2
+        assert needle in capsys.readouterr().err
+        assert not run_dir.exists()
+
+
+def test_the_real_corpus_trains_a_little(tmp_path):
+    corpus = shared_data("tinyshakespeare") / "input.txt"
+    run_dir = tmp_path / "real"
+    assert main(["lm", "train", *tiny(run_dir, corpus)]) == 0
+    summary = json.loads((run_dir / "training.json").read_text())
+    assert summary["baseline"]["val_loss_full_depth"] < 4.17  # below uniform over 65 characters, ln 65

@@ -1,0 +1,60 @@
+"""The language model's exit rules: what they are shown (the exit's hidden state and the one before) and their masks
+on crafted logits and hidden states."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from lm_reference import tiny_gpt
+
+from learn2stop.tasks.lm import StepwiseGPT, generate, score_with_exits
+from learn2stop.tasks.lm.rules import make_rule, planned_rule, saturation, softmax_margin
+
+
+def test_scoring_shows_each_rule_the_exit_state_and_the_one_before():
+    gpt = tiny_gpt(3)
+    view, idx = StepwiseGPT(gpt), torch.randint(13, (2, 9), generator=torch.Generator().manual_seed(1))
+    seen = []
+    score_with_exits(view, idx, lambda t, logits, h, h_prev: seen.append((t, h.clone(), h_prev.clone()))
+                     or torch.zeros(idx.shape, dtype=torch.bool))
+    h = gpt.embed(idx)
+    assert torch.equal(seen[0][2], h)
+    for t, h_t, h_prev in seen:
+        h = gpt.blocks[t - 1](h)
+        assert torch.allclose(h_t, h) and (t == 1 or torch.equal(h_prev, seen[t - 2][1]))
+        assert torch.allclose(gpt.head(h_t), gpt.head(h))
+
+
+def test_generation_shows_the_rows_still_running_their_states():
+    gpt = tiny_gpt(4)
+    view = StepwiseGPT(gpt)
+    prompt = torch.randint(13, (5, 3), generator=torch.Generator().manual_seed(2))
+    rule = make_rule("saturation", 0.3)
+    batch = generate(view, prompt, 6, rule)
+    for b in range(5):  # each row alone: the same tokens and exits (the rule saw that row's states)
+        one = generate(view, prompt[b:b + 1], 6, rule)
+        assert torch.equal(one.tokens[0], batch.tokens[b]) and torch.equal(one.exit_steps[0], batch.exit_steps[b])
+    assert 1 < batch.exit_steps.float().mean() < view.num_steps  # the crafted threshold stops some, not all
+
+
+def test_margin_and_saturation_masks_on_crafted_inputs():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.4, 0.35, 0.25]]))
+    assert torch.allclose(softmax_margin(logits), torch.tensor([0.5, 0.05]))
+    h = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    h_prev = torch.tensor([[2.0, 0.0], [1.0, -1.0]])
+    assert torch.allclose(saturation(h, h_prev), torch.tensor([1.0, 0.0]), atol=1e-6)
+    assert make_rule("margin", 0.3)(1, logits, h, h_prev).tolist() == [True, False]
+    assert make_rule("saturation", 0.9)(1, logits, h, h_prev).tolist() == [True, False]
+    assert make_rule("fixed", 2)(1, logits, h, h_prev).tolist() == [False, False]
+    assert make_rule("fixed", 2)(2, logits, h, h_prev).tolist() == [True, True]
+    assert make_rule("full", math.inf)(1, logits, h, h_prev).tolist() == [False, False]
+    exits = torch.tensor([[1, 3], [2, 2]])
+    assert planned_rule(exits)(2, None, None, None).tolist() == [[False, False], [True, True]]
+
+
+def test_bad_rules_are_refused_by_name():
+    with pytest.raises(ValueError, match="rule must be one of"):
+        make_rule("entropy", 0.5)
+    with pytest.raises(ValueError, match="needs a trained policy"):
+        make_rule("policy", 0.5)(1, torch.zeros(1, 3), torch.zeros(1, 2), torch.zeros(1, 2))

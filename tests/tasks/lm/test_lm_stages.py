@@ -1,0 +1,111 @@
+"""The language model's stages and calibration: the per-token oracle and its identities, Stage II's loss, a short
+training run that lowers the loss, and Learn-then-Test certifying a rule that keeps its risk on held-out tokens."""
+from __future__ import annotations
+
+import torch
+from lm_reference import tiny_gpt
+
+from learn2stop.tasks.lm.config import preset
+from learn2stop.tasks.lm.data import CharVocab
+from learn2stop.tasks.lm.metric import LmTrace, calibrate_rule, score_split, trace_split, windows
+from learn2stop.tasks.lm.policy import ExitPolicy
+from learn2stop.tasks.lm.train import (exit_cost_fractions, oracle_q, per_exit_losses, policy_batch, stage2_loss,
+                                       train_stages)
+
+
+def markov_text(n: int, seed: int = 0) -> str:
+    """A text whose next character mostly follows from the one before: learnable in a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    chars, out, c = "abcdefgh ", [], 0
+    nxt = torch.randint(len(chars), (len(chars),), generator=g)
+    for r in torch.rand(n, generator=g).tolist():
+        c = int(nxt[c]) if r < 0.85 else int(torch.randint(len(chars), (1,), generator=g))
+        out.append(chars[c])
+    return "".join(out)
+
+
+def test_oracle_is_the_softmax_of_priced_losses_and_sums_to_one():
+    cfg = preset("tiny", method={"beta": 0.3, "price": 0.5})
+    gpt = tiny_gpt(0, n_layer=4)
+    x = torch.randint(13, (2, 7), generator=torch.Generator().manual_seed(0))
+    losses = per_exit_losses(gpt, x, torch.roll(x, -1, 1))  # (14, 4)
+    assert losses.shape == (14, 4)
+    q = oracle_q(cfg, gpt, losses)
+    c = exit_cost_fractions(gpt)
+    assert torch.allclose(c, torch.tensor([0.25, 0.5, 0.75, 1.0]))
+    by_hand = torch.softmax(-(losses + 0.5 * c) / 0.3, dim=1)
+    assert torch.allclose(q, by_hand, atol=1e-6) and torch.allclose(q.sum(1), torch.ones(14, dtype=q.dtype))
+    assert not q.requires_grad or q.grad_fn is None  # held fixed in Stage I
+
+
+def test_stage2_loss_is_a_kl_that_fitting_lowers():
+    cfg = preset("tiny")
+    gpt = tiny_gpt(1, n_layer=3).float()
+    x = torch.randint(13, (4, 12), generator=torch.Generator().manual_seed(1))
+    feats, losses = policy_batch(cfg, gpt, x, torch.roll(x, -1, 1))
+    assert feats.shape == (48, 2, 6) and losses.shape == (48, 3)
+    torch.manual_seed(0)
+    policy = ExitPolicy(8)
+    policy.fit_scale(feats)
+    opt = torch.optim.Adam(policy.parameters(), lr=0.05)
+    first = float(stage2_loss(cfg, gpt, policy, feats, losses).detach())
+    for _ in range(60):
+        loss = stage2_loss(cfg, gpt, policy, feats, losses)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    last = float(stage2_loss(cfg, gpt, policy, feats, losses).detach())
+    assert first >= 0 and 0 <= last < first
+    assert policy.flops(65, 128) < 0.05 * 24 * 128 ** 2  # under 5 % of a block's projections
+
+
+def test_a_short_training_lowers_the_loss_and_resumes(tmp_path):
+    text = markov_text(6000)
+    vocab = CharVocab.of(text)
+    ids = vocab.encode(text)
+    cfg = preset("tiny", baseline={"iters": 60, "lr": 5e-3}, deep={"iters": 5}, stage1={"iters": 5},
+                 stage2={"iters": 10})
+    x, y = windows(ids[5000:], cfg.model.context)
+    untrained = train_stages(preset("tiny", baseline={"iters": 0}, deep={"iters": 0}, stage1={"iters": 0},
+                                    stage2={"iters": 0}), tmp_path / "untrained", ids[:5000], len(vocab), log=print)
+    out = train_stages(cfg, tmp_path / "run", ids[:5000], len(vocab), log=print)
+    never = lambda t, lg, h, hp: torch.zeros(lg.shape[:-1], dtype=torch.bool)  # noqa: E731
+    before = score_split(untrained["models"]["baseline"][0], x, y, never)["loss"]
+    after = score_split(out["models"]["baseline"][0], x, y, never)["loss"]
+    assert after < before - 0.3, (before, after)
+    lines = []
+    again = train_stages(cfg, tmp_path / "run", ids[:5000], len(vocab), log=lines.append)
+    assert all("loaded" in m for m in lines) and len(lines) == 4
+    w = out["models"]["stage2"][1].net[0].weight
+    assert torch.equal(again["models"]["stage2"][1].net[0].weight, w)
+
+
+def test_calibration_certifies_and_keeps_the_risk_on_held_out_tokens():
+    g = torch.Generator().manual_seed(3)
+    N, T = 40000, 4
+    sure = torch.rand(N, T - 1, generator=g)  # a signal: the surer, the likelier an early exit is right
+    wrong = (torch.rand(N, T - 1, generator=g) > sure).float()
+    losses = torch.cat([wrong * 2.0, torch.zeros(N, 1)], 1)  # the loss increase of exiting at t (0 at full depth)
+    trace = LmTrace(losses, torch.zeros(N, T, dtype=torch.long), torch.zeros(N, dtype=torch.long),
+                    {"margin": sure})
+    costs = torch.arange(1, T + 1, dtype=torch.float32) / T
+    half = N // 2
+    cal_trace = LmTrace(losses[:half], trace.greedy[:half], trace.targets[:half], {"margin": sure[:half]})
+    c = calibrate_rule(cal_trace, "margin", costs, "loss", 0.05, 0.1)
+    assert c.rule == "margin" and c.threshold < float("inf") and c.calibration["mean_steps"] < T
+    from learn2stop.core.rules import first_crossing
+
+    stops = first_crossing(sure[half:], c.threshold)
+    held_out = float(losses[half:].gather(1, (stops - 1)[:, None]).mean())
+    assert held_out <= 0.05 + 0.01 and c.calibration["risk"] <= 0.05
+
+
+def test_the_trace_of_a_model_has_every_signal_per_token():
+    gpt = tiny_gpt(2, n_layer=3).float()
+    x = torch.randint(13, (3, 10), generator=torch.Generator().manual_seed(2))
+    policy = ExitPolicy(4)
+    tr = trace_split(gpt, x, torch.roll(x, -1, 1), policy, batch=2)
+    assert tr.losses.shape == (30, 3) and set(tr.signals) == {"policy", "margin", "saturation", "fixed"}
+    assert all(v.shape == (30, 2) for v in tr.signals.values())
+    assert torch.equal(tr.signals["fixed"][0], torch.tensor([1.0, 2.0]))
+    assert torch.equal(tr.risk("loss")[:, -1], torch.zeros(30)) and bool((tr.risk("agreement") <= 1).all())
