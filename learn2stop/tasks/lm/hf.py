@@ -182,7 +182,7 @@ class HFStepwise(nn.Module):
     and values (:meth:`propagated_kv`). Example::
 
         view = attach_exits(AutoModelForCausalLM.from_pretrained(path).eval(), exit_every=2)
-        logits, exits = score_with_exits(view, idx, lambda t, z: z.softmax(-1).amax(-1) > 0.9)
+        logits, exits = score_with_exits(view, idx, lambda t, z, h, h_prev: z.softmax(-1).amax(-1) > 0.9)
     """
 
     def __init__(self, model: nn.Module, exit_every: int = 1, verify: bool = True):

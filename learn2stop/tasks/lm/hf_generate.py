@@ -77,6 +77,7 @@ def decode_token(view: HFStepwise, cache: HFCache, token: Tensor, exit_rule=None
     its (B,) exit step; the rows that stop leave the batch and get their later layers' cache by propagation."""
     lay, p, B = view.layout, cache.length, token.shape[0]
     h = lay.embed(token[:, None], p)  # (B_active, 1, C) the rows still running
+    h_prev = h[:, 0]  # (B_active, C) the hidden state at the previous exit (the embedding before the first)
     pos = torch.full((1, 1), p, device=token.device)
     rows = None  # None: every row (no gather); else the (B_active,) rows still running
     logits = h.new_empty(B, lay.head.out_features)
@@ -92,7 +93,8 @@ def decode_token(view: HFStepwise, cache: HFCache, token: Tensor, exit_rule=None
         if t == view.num_steps:  # what still runs stops here
             logits[slice(None) if rows is None else rows] = out
             break
-        stops = exit_rule(t, out)  # (B_active,) bool
+        stops = exit_rule(t, out, h[:, 0], h_prev)  # (B_active,) bool
+        h_prev = h[:, 0]
         if not bool(stops.any()):
             continue
         here = torch.arange(B, device=token.device) if rows is None else rows
@@ -100,7 +102,7 @@ def decode_token(view: HFStepwise, cache: HFCache, token: Tensor, exit_rule=None
         logits[stopped], exit_steps[stopped] = out[stops], t
         for layer in range(view.exit_layers[t - 1] + 1, view.n_layer + 1):  # complete their later layers
             cache.write(layer - 1, stopped, *view.propagated_kv(layer, h[stops], pos), p)
-        rows, h = here[~stops], h[~stops]
+        rows, h, h_prev = here[~stops], h[~stops], h_prev[~stops]
         if rows.numel() == 0:
             break
     cache.length = p + 1
@@ -111,9 +113,10 @@ def decode_token(view: HFStepwise, cache: HFCache, token: Tensor, exit_rule=None
 def generate(view: HFStepwise, prompt: Tensor, max_new_tokens: int, exit_rule=None) -> Generation:
     """Greedy continuation of prompt (B, T0) by ``max_new_tokens`` tokens, each exiting where ``exit_rule`` says.
 
-    ``exit_rule(t, logits) -> (B_active,) bool`` is asked after exit step t = 1..T-1 with the (B_active, V) logits of
-    the rows still running (None: no early exit, the model's own greedy decoding). Returns tokens (B, T0 + n), the
-    (B, n) exit steps and the :class:`HFCache` (positions 0..T0 + n - 2).
+    ``exit_rule(t, logits, h, h_prev) -> (B_active,) bool`` is asked after exit step t = 1..T-1 with the (B_active, V)
+    logits, the hidden state there and at the previous exit (the embedding at t = 1) of the rows still running
+    (None: no early exit, the model's own greedy decoding). Returns tokens (B, T0 + n), the (B, n) exit steps and
+    the :class:`HFCache` (positions 0..T0 + n - 2).
     """
     check_prompt(view, prompt, max_new_tokens)
     B, T0 = prompt.shape

@@ -38,7 +38,7 @@ def test_per_position_exits_match_a_row_by_row_reference(kind, impl, exit_every)
     idx = tokens(3, 9)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
-        logits, exits = score_with_exits(view, idx, lambda t, z: torch.rand(z.shape[:2], generator=g) < 0.4)
+        logits, exits = score_with_exits(view, idx, lambda t, z, h, h_prev: torch.rand(z.shape[:2], generator=g) < 0.4)
     assert len(set(exits.flatten().tolist())) == view.num_steps, "every exit should be used somewhere"
     full = model(idx).logits.detach()
     assert (logits - full).abs().amax() > 1e-3, "early exits that change no logit test nothing"

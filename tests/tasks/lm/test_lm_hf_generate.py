@@ -15,7 +15,7 @@ from learn2stop.tasks.lm.hf_generate import generate  # noqa: E402
 
 def confidence_rule(threshold: float):
     """Stop a row once its exit's top probability reaches ``threshold``."""
-    return lambda t, logits: logits.softmax(-1).amax(-1) >= threshold
+    return lambda t, logits, h, h_prev: logits.softmax(-1).amax(-1) >= threshold
 
 
 def median_confidence(view, prompt) -> float:
@@ -76,7 +76,7 @@ def test_rows_that_stop_at_the_first_exit_run_no_later_block():
     seen = []
     hooks = [b.mlp.register_forward_hook(lambda m, args, out, i=i: seen.append(i))
              for i, b in enumerate(model.model.layers)]
-    out = generate(view, tokens(4, 1), 5, lambda t, logits: torch.ones(len(logits), dtype=torch.bool))
+    out = generate(view, tokens(4, 1), 5, lambda t, logits, h, h_prev: torch.ones(len(logits), dtype=torch.bool))
     for h in hooks:
         h.remove()
     assert seen == [0] * 5 and bool((out.exit_steps == 1).all())
