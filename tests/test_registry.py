@@ -37,6 +37,12 @@ def test_every_preset_resolves_validates_and_builds(task, preset, monkeypatch):
     missing = [p for p in _data_paths(cfg) if not Path(p).exists()]
     if missing:
         pytest.skip(f"{task} {preset}: data not on this machine: {', '.join(missing)}")
+    if spec.app is None:  # a task on its own pipeline (lm): its step-wise model is built from the config alone
+        from learn2stop.tasks.lm.models import GPT, StepwiseGPT
+
+        view = StepwiseGPT(GPT(cfg.model.gpt(65)))
+        assert view.num_steps >= 2 and sum(p.numel() for p in view.parameters()) > 0
+        return
     models = spec.app.build_models(cfg, "cpu")
     assert spec.app.stop_stage and models["stop"].num_steps >= 2 and models["stop"].policy is not None
     for sm in models.values():  # a baseline may be a single step (DnCNN without exits)

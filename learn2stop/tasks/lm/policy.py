@@ -32,7 +32,7 @@ def exit_features(t: int, logits: Tensor, h: Tensor, h_prev: Tensor, num_steps: 
     return torch.stack([top[..., 0], top[..., 0] - top[..., 1], ent, change, cos, step], -1)
 
 
-class ExitPolicy(nn.Module):
+class TokenExitPolicy(nn.Module):
     """features (..., 6) -> stop logit (...,): standardised features (statistics of the training tokens, fixed
     buffers), then Linear(6, H), tanh, Linear(H, 1)."""
 

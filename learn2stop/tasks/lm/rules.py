@@ -7,7 +7,7 @@ h_prev the one at the exit before (the embedding at t = 1). A rule stops a token
 
 - ``margin``: CALM's softmax response, top-1 minus top-2 probability;
 - ``saturation``: CALM's hidden-state saturation, cos(h, h_prev);
-- ``policy``: the learned policy's stop probability (:class:`~.policy.ExitPolicy`);
+- ``policy``: the learned policy's stop probability (:class:`~.policy.TokenExitPolicy`);
 - ``fixed``: the step index t itself (a threshold k stops every token at exit k);
 - ``full``: never before the last exit.
 The oracle (each token's best exit given its label) is not a rule of this form: it needs the labels, so it is a

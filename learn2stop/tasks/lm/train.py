@@ -25,7 +25,7 @@ from ...utils.checkpoint import load_checkpoint, save_checkpoint
 from .config import LmConfig, LmStageConfig
 from .data import sample_windows
 from .models import GPT
-from .policy import ExitPolicy, exit_features
+from .policy import TokenExitPolicy, exit_features
 
 STAGES = ("baseline", "deep", "stage1", "stage2")
 
@@ -126,7 +126,7 @@ def policy_batch(cfg: LmConfig, gpt: GPT, x: Tensor, y: Tensor) -> tuple[Tensor,
     return torch.stack(feats, 2).flatten(0, 1), losses
 
 
-def stage2_loss(cfg: LmConfig, gpt: GPT, policy: ExitPolicy, feats: Tensor, losses: Tensor) -> Tensor:
+def stage2_loss(cfg: LmConfig, gpt: GPT, policy: TokenExitPolicy, feats: Tensor, losses: Tensor) -> Tensor:
     """Forward KL(q* || q_phi) per token, averaged: the policy's (N, E - 1) stop logits against q*."""
     prior = log_cost_prior(exit_cost_fractions(gpt), cfg.method.price, cfg.method.beta)
     return stage2_forward_kl(policy(feats), losses, cfg.method.beta, prior)
@@ -158,7 +158,7 @@ def train_stages(cfg: LmConfig, run_dir: Path, train_ids: Tensor, vocab_size: in
         t0 = time.perf_counter()
         if stage == "stage2":
             gpt = models["stage1"][0]
-            policy = ExitPolicy(cfg.model.policy_hidden)
+            policy = TokenExitPolicy(cfg.model.policy_hidden)
             policy.fit_scale(policy_batch(cfg, gpt, *draw())[0])
             history = fit(policy.parameters(), lambda x, y: stage2_loss(cfg, gpt, policy, *policy_batch(cfg, gpt, x, y)),
                           s, draw, log, stage)
@@ -186,7 +186,7 @@ def _drawer(ids: Tensor, batch: int, context: int, gen: torch.Generator):
 def _restore(stage: str, ck: dict, gcfg, cfg: LmConfig, models: dict):
     """A finished stage's (gpt, policy) from its checkpoint (Stage II's backbone is Stage I's, loaded before it)."""
     if stage == "stage2":
-        policy = ExitPolicy(cfg.model.policy_hidden)
+        policy = TokenExitPolicy(cfg.model.policy_hidden)
         policy.load_state_dict(ck["policy"])
         return models["stage1"][0], policy.eval()
     gpt = GPT(gcfg)

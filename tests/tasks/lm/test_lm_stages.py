@@ -8,7 +8,7 @@ from lm_reference import tiny_gpt
 from learn2stop.tasks.lm.config import preset
 from learn2stop.tasks.lm.data import CharVocab
 from learn2stop.tasks.lm.metric import LmTrace, calibrate_rule, score_split, trace_split, windows
-from learn2stop.tasks.lm.policy import ExitPolicy
+from learn2stop.tasks.lm.policy import TokenExitPolicy
 from learn2stop.tasks.lm.train import (exit_cost_fractions, oracle_q, per_exit_losses, policy_batch, stage2_loss,
                                        train_stages)
 
@@ -45,7 +45,7 @@ def test_stage2_loss_is_a_kl_that_fitting_lowers():
     feats, losses = policy_batch(cfg, gpt, x, torch.roll(x, -1, 1))
     assert feats.shape == (48, 2, 6) and losses.shape == (48, 3)
     torch.manual_seed(0)
-    policy = ExitPolicy(8)
+    policy = TokenExitPolicy(8)
     policy.fit_scale(feats)
     opt = torch.optim.Adam(policy.parameters(), lr=0.05)
     first = float(stage2_loss(cfg, gpt, policy, feats, losses).detach())
@@ -103,7 +103,7 @@ def test_calibration_certifies_and_keeps_the_risk_on_held_out_tokens():
 def test_the_trace_of_a_model_has_every_signal_per_token():
     gpt = tiny_gpt(2, n_layer=3).float()
     x = torch.randint(13, (3, 10), generator=torch.Generator().manual_seed(2))
-    policy = ExitPolicy(4)
+    policy = TokenExitPolicy(4)
     tr = trace_split(gpt, x, torch.roll(x, -1, 1), policy, batch=2)
     assert tr.losses.shape == (30, 3) and set(tr.signals) == {"policy", "margin", "saturation", "fixed"}
     assert all(v.shape == (30, 2) for v in tr.signals.values())
