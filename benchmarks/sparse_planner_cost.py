@@ -8,14 +8,12 @@ On trained runs (each with its ``stage2`` planner and ``calibration.json``; the 
 test problems, in a fixed random order) at batch 1 and at a large batch:
 
 - each planner's parts against one LISTA step (step s+1 on the state of step s): its features, the first plan
-  the price rule makes (features, MLP, argmax), and its second plan where it has one; at a small batch, where the
-  plans run in numpy (``learn2stop/core/fastpath.py``), the first plan in torch beside them;
+  the price rule makes (features, MLP, argmax), and its second plan where it has one;
 - whole rollouts: LISTA at full depth, the first run's stop model at a fixed depth (``--fixed``), and for each run
   the deployed price rule and the same rollout with its stop times given in advance (``StopAtTimes``: a free plan,
   what the loop's shrinking batch alone gives; the gap to the deployed rule is what planning costs in place), the
   same rollout with its plans replayed at the plan steps (the same sorts and gathers; the gap to the deployed rule is
-  what computing the plans costs in place), and
-  at a small batch the deployed rule with its plans in torch.
+  what computing the plans costs in place).
 
 Runs compared must share the problem (the first run's test inputs feed every model). Each time is the best of
 ``--rounds`` round-robin passes (a drift in the machine's load hits every row alike).
@@ -29,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from learn2stop.core.fastpath import NUMPY_MAX_BATCH, torch_only
 from learn2stop.core.loop import run_with_early_exit
 from learn2stop.core.stop_rule import StepView
 from learn2stop.core.train import load_stage
@@ -115,8 +112,6 @@ def main(argv=None) -> dict:
                 parts[f"{name}: first plan"] = (lambda v=views[s], r=rule(): r.plan(v))
                 if planner.replan_step is not None:
                     parts[f"{name}: second plan"] = (lambda v=views[planner.replan_step], r=rule(): r.replan(v))
-                if bs <= NUMPY_MAX_BATCH:  # these plans ran in numpy: their torch form beside them
-                    parts[f"{name}: first plan, in torch"] = _in_torch(lambda v=views[s], r=rule(): r.plan(v))
                 recorder = _Recorder(rule(), data.shape[0])
                 times = run_with_early_exit(model, data, recorder).stop_times
                 depths[name] = float(times.float().mean())
@@ -126,8 +121,6 @@ def main(argv=None) -> dict:
                 rollouts[f"{name}: its plans replayed (the same sorts, no features or MLP)"] = (
                     model, lambda k, r=recorder: _Replay(r, slice(k * bs, (k + 1) * bs)))
                 rollouts[f"{name}: deployed price rule"] = (model, lambda k, r=rule: r())
-                if bs <= NUMPY_MAX_BATCH:
-                    rollouts[f"{name}: deployed, plans in torch"] = (model, lambda k, r=rule: _TorchOnly(r()))
                 rollouts[f"{name}: its stop times given (free plan)"] = (
                     model, lambda k, t=times: StopAtTimes(t[k * bs:(k + 1) * bs]))
             best: dict[str, float] = {}
@@ -147,28 +140,6 @@ def main(argv=None) -> dict:
             print(f"| {name} | {per * 1e3:.3f} ms | {per / step:.2f} | {'' if name in parts else f'{full / v:.3f}x'} |")
         rows[bs] = best
     return rows
-
-
-def _in_torch(fn):
-    def run():
-        with torch_only():
-            return fn()
-    return run
-
-
-class _TorchOnly:
-    """A planning rule whose plans run in torch at any batch (``torch_only`` around each)."""
-
-    def __init__(self, rule):
-        self.rule, self.plan_step, self.replan_step = rule, rule.plan_step, rule.replan_step
-
-    def plan(self, view):
-        with torch_only():
-            return self.rule.plan(view)
-
-    def replan(self, view):
-        with torch_only():
-            return self.rule.replan(view)
 
 
 class _Recorder:

@@ -122,17 +122,12 @@ class PriceSignal(StopsBelow, _PolicyBased):
     def plan_times(self, view: StepView, threshold: float) -> Tensor:
         """Online, the stop times directly: argmax_t log q_phi(t) - price * t / T over the steps from the plan
         step (equal to the first crossing of :meth:`scores`, without its O(T^3) envelope)."""
-        fused = member(self.policy, "priced_plan")
-        times = None if fused is None or threshold == math.inf else fused(view.inputs, view.output, view.t, threshold)
-        return times if times is not None else _priced_argmax(view, threshold, lambda: planned_log_q(
+        return _priced_argmax(view, threshold, lambda: planned_log_q(
             self.policy, view.inputs, view.output, view.t, view.index.numel(), view.num_steps)[:, view.t - 1:])
 
     def replan_times(self, view: StepView, threshold: float) -> Tensor:
         """At the second plan's step s, for the samples still running: argmax_{t >= s} log q2(t) - price * t / T."""
-        fused = member(self.policy, "priced_replan")
-        times = None if fused is None or threshold == math.inf else \
-            fused(view.inputs, view.output, view.previous_output, view.t, threshold)
-        return times if times is not None else _priced_argmax(view, threshold, lambda: replan_scores_late(
+        return _priced_argmax(view, threshold, lambda: replan_scores_late(
             self.policy, view.inputs, view.output, view.previous_output, view.t, view.index.numel(), view.num_steps))
 
     def replan_scores(self, scores: Tensor, view: StepView) -> Tensor:

@@ -26,10 +26,6 @@ The policy's optional members:
 - ``replan_step``: a planning policy revises the plan of the samples still running, once, at this later step, with
   ``replan_log_q(inputs, output, previous_output, t) -> (B, T)`` log q_phi of steps t..T given the run so far (its
   q_phi is then :func:`~learn2stop.core.distributions.replanned_log_q` of the two plans); absent: one plan;
-- ``priced_plan`` / ``priced_replan``: ``priced_plan(inputs, output, t, threshold)`` and ``priced_replan(inputs,
-  output, previous_output, t, threshold) -> (B,)`` the price rule's stop steps, argmax_{u >= t} log q_phi(u) +
-  threshold * u / T, computed by the policy where it has a faster way (a small batch on a CPU), or None; absent or
-  None: the rule takes the argmax of ``plan_log_q`` itself;
 - ``auxiliary_loss``: ``auxiliary_loss(inputs, target) -> scalar or None``, what a part of the policy learns from the
   targets besides the stop (MAML's posterior-mean estimate), added to its stage's loss; absent: none.
 
@@ -47,7 +43,7 @@ MODEL_MEMBERS: dict[str, Any] = {"exit_costs": None, "fixed_exit_costs": None, "
                                  "input_shape": None, "input_dtype": None}
 #: the optional members of a stopping policy and their defaults (see the module's text)
 POLICY_MEMBERS: dict[str, Any] = {"min_step": 1, "plan_step": None, "plan_log_q": None, "replan_step": None,
-                                  "priced_plan": None, "priced_replan": None, "auxiliary_loss": None}
+                                  "auxiliary_loss": None}
 #: the optional members of a training task (:class:`~learn2stop.core.trainer.TrainingTask`) and their defaults
 TASK_MEMBERS: dict[str, Any] = {"stop_loss_fn": None}
 OPTIONAL_MEMBERS: dict[str, Any] = {**MODEL_MEMBERS, **POLICY_MEMBERS, **TASK_MEMBERS}

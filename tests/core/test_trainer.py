@@ -71,7 +71,7 @@ def test_stage2_leaves_theta_untouched(tmp_path):
 
 
 def test_flush_denormals_zeroes_subnormal_values_alone_and_counts_them():
-    from learn2stop.core.fastpath import flush_denormals_
+    from learn2stop.core.trainer import flush_denormals_
 
     m = torch.nn.Linear(3, 2)
     with torch.no_grad():

@@ -1,8 +1,8 @@
 """Sparse recovery (paper Sec. 5.1): LISTA-stop against LISTA, ISTA and FISTA.
 
 Pieces: :mod:`.config` (config and presets), :mod:`.data` (the problems and the training task), :mod:`.models`
-(LISTA, ISTA, FISTA), :mod:`.policy` (the depth planner and the per-step policy; the planner's numpy copy in
-:mod:`.numpy_plan`), :mod:`.metric` (NMSE), :mod:`.report` (Tables 1-2, Figure 4), :mod:`.commands` (evaluate) and
+(LISTA, ISTA, FISTA), :mod:`.policy` (the depth planner and the per-step policy), :mod:`.metric` (NMSE),
+:mod:`.report` (Tables 1-2, Figure 4), :mod:`.commands` (evaluate) and
 :mod:`.app` (the :class:`~learn2stop.core.task.StoppingApp`; registers the task).
 """
 from .app import build_lista_stop, evaluate, reproduce, train  # noqa: F401

@@ -5,8 +5,7 @@ stop-time distribution q_phi(t | y, x_s) over the remaining steps from a few sta
 noise level and how far the iteration is from converging (the norms of the state and the support). One
 call per sample instead of one per step, and the loop then runs the batch sorted by planned depth. With
 ``replan_step`` it plans once more, at that later step, for the samples still running: from the size of the
-last move (the tolerance test's signal) and a few norms, all without a product with A. Its numpy copy for small
-batches at inference is in :mod:`.numpy_plan`.
+last move (the tolerance test's signal) and a few norms, all without a product with A.
 
 :class:`SparseStopPolicy` asks at every step, with two feature sets over one shared MLP:
 
@@ -28,9 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from ...core.fastpath import NumpyCopies, numpy_eligible
 from ...core.policies import MinStep
-from .numpy_plan import _NumpyHead, _state_norms_np
 
 
 def support_size(x: Tensor, absolute: Tensor | None = None) -> Tensor:
@@ -173,7 +170,6 @@ class SparseDepthPlanner(MinStep, nn.Module):
         # training batches (theta is frozen in Stage II, so they do not drift); without it the second plan fits worse.
         self.replan_norm = nn.BatchNorm1d(self.replan_dim, affine=False, momentum=None) if replan else None
         self.replan_net = _mlp(self.replan_dim, hidden, num_steps) if replan else None  # read from s2 on
-        self._numpy = NumpyCopies()  # of the heads, for small batches at inference
 
     @property
     def plan_step(self) -> int:
@@ -208,33 +204,11 @@ class SparseDepthPlanner(MinStep, nn.Module):
         # logits of steps 1..T; the loop renormalises them on t..T
         return _head(self.extract_late(y, x, previous), self.replan_norm, self.replan_net, self.training)
 
-    def priced_plan(self, y: Tensor, x: Tensor, t: int, threshold: float) -> Tensor | None:
-        """The price rule's stop steps from the first plan, argmax_{u >= t} log q_phi(u) - price * u / T (threshold
-        = -price), computed in numpy where that is faster: a batch of at most :data:`NUMPY_MAX_BATCH` on a CPU, at
-        inference. None elsewhere (the rule then reads :meth:`plan_log_q`)."""
-        head = self._numpy_head("plan", y, x)
-        return None if head is None else head.stop_steps(_state_norms_np(y.numpy(), x.numpy()), t, threshold)
-
-    def priced_replan(self, y: Tensor, x: Tensor, previous: Tensor, t: int, threshold: float) -> Tensor | None:
-        """:meth:`priced_plan` for the second plan (steps t..T, t = ``replan_step``); None where it does not apply."""
-        head = self._numpy_head("replan", y, x) if self.replan_net is not None and t == self.replan_step else None
-        return None if head is None else head.stop_steps(_state_norms_np(y.numpy(), x.numpy(), previous.numpy()), t,
-                                                         threshold)
-
-    def _numpy_head(self, which: str, y: Tensor, x: Tensor) -> _NumpyHead | None:
-        """The numpy copy of a head where it applies (:func:`~learn2stop.core.fastpath.numpy_eligible`), else None."""
-        if not numpy_eligible(self, x, y):
-            return None
-        norm, net = (self.plan_norm, self.net) if which == "plan" else (self.replan_norm, self.replan_net)
-        return self._numpy.get(which, lambda: [*net.parameters(), norm.running_mean, norm.running_var],
-                               lambda: _NumpyHead(norm, net))
-
     def get_extra_state(self) -> dict:
         return {**super().get_extra_state(), "replan_step": self.replan_step}
 
     def set_extra_state(self, state: dict) -> None:
         super().set_extra_state(state)
-        self._numpy.clear()
         again = state["replan_step"]
         if again is not None and self.replan_net is None:
             raise ValueError(f"the checkpoint plans again at step {again}, and this planner has no second head "
