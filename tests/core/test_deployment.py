@@ -13,15 +13,7 @@ from learn2stop.utils.config import ConfigError
 from learn2stop.utils.config_files import resolve
 from learn2stop.utils.formats import RUN_FORMAT
 
-TINY = [  # the sparse quick preset shrunk to seconds
-    "--problem.m", "13", "--problem.n", "27", "--problem.sparsity", "0.2",
-    "--problem.test_per_snr", "30", "--problem.val_per_snr", "20",
-    "--lista.num_steps", "5", "--classical.depths", "5,10", "--classical.L_grid", "3,5",
-    "--classical.rho_grid", "0.05,0.1", "--classical.tune_samples", "50",
-    "--policy.sketch_dim", "4",
-    *[a for s in ("baseline", "stage1", "stage2", "stage3", "aevb")
-      for a in (f"--{s}.iterations", "12", f"--{s}.batch_size", "32", f"--{s}.eval_every", "6", f"--{s}.checkpoint_every", "6")],
-]
+from conftest import TINY  # the sparse quick preset shrunk to seconds
 
 
 def test_each_kind_of_deployment_is_read_back_with_its_model_and_rule(tmp_path):

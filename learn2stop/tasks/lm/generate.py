@@ -98,9 +98,16 @@ def generate(view: StepwiseGPT, prompt: Tensor, max_new_tokens: int, exit_rule=N
     cache = KVCache(gpt, B, gpt.wte.weight)
     if prompt.shape[1] > 1:
         prefill(gpt, cache, prompt[:, :-1])
+    return greedy_continuation(prompt, max_new_tokens, cache, lambda token: decode_token(view, cache, token, exit_rule))
+
+
+def greedy_continuation(prompt: Tensor, max_new_tokens: int, cache, decode) -> Generation:
+    """Feed the prompt's last token, then each new greedy token, ``max_new_tokens`` times through
+    ``decode(token (B,)) -> ((B, V) logits, (B,) exit steps)`` (which advances ``cache``): the one decoding loop of
+    every step-wise language model here."""
     token, new, exits = prompt[:, -1], [], []
     for _ in range(max_new_tokens):
-        logits, exit_step = decode_token(view, cache, token, exit_rule)
+        logits, exit_step = decode(token)
         token = logits.argmax(-1)
         new.append(token)
         exits.append(exit_step)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .generate import Generation
+from .generate import Generation, greedy_continuation
 from .hf import HFStepwise
 
 
@@ -123,10 +123,4 @@ def generate(view: HFStepwise, prompt: Tensor, max_new_tokens: int, exit_rule=No
     cache = HFCache(view.n_layer, B, T0 + max_new_tokens - 1)
     if T0 > 1:
         prefill(view, cache, prompt[:, :-1])
-    token, new, exits = prompt[:, -1], [], []
-    for _ in range(max_new_tokens):
-        logits, exit_step = decode_token(view, cache, token, exit_rule)
-        token = logits.argmax(-1)
-        new.append(token)
-        exits.append(exit_step)
-    return Generation(torch.cat([prompt, torch.stack(new, 1)], 1), torch.stack(exits, 1), cache)
+    return greedy_continuation(prompt, max_new_tokens, cache, lambda token: decode_token(view, cache, token, exit_rule))
