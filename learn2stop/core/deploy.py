@@ -136,14 +136,15 @@ def speed_tie(spreads: list[float | None], floor: float = SPEED_TIE_FLOOR) -> fl
 def fastest_certified(speeds: dict[str, float], costs: dict[str, float], tie: float = SPEED_TIE_FLOOR) -> str | None:
     """The candidate a user serving at one batch size deploys: the fastest (``speeds``: name -> samples/s), with the
     candidates within ``tie`` of it counted as tied (:func:`speed_tie`) and the tie going to the least validation
-    cost (``costs``: name -> mean cost as a fraction of full depth; the baseline at full depth costs 1). None when
-    nothing was timed."""
+    cost (``costs``: name -> mean cost as a fraction of full depth; the baseline at full depth costs 1), then to the
+    baseline (a rule that costs it as much and is no faster beyond the noise only adds early-exit machinery). None
+    when nothing was timed."""
     timed = {n: v for n, v in speeds.items() if v is not None and n in costs}
     if not timed:
         return None
     best = max(timed.values())
     near = [n for n, v in timed.items() if v >= (1 - tie) * best]
-    return min(near, key=lambda n: (costs[n], -timed[n]))
+    return min(near, key=lambda n: (costs[n], n != "baseline", -timed[n]))
 
 
 def _deploy_fastest(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, base: StoppingModel, val: Trace,

@@ -130,6 +130,10 @@ def test_the_deployment_is_the_fastest_certified_rule_with_ties_to_the_least_cos
     # rules not timed (None), or without a calibration (no cost), are not candidates
     assert fastest_certified({"baseline": 100.0, "price": None, "unknown": 999.0}, costs) == "baseline"
     assert fastest_certified({}, costs) is None
+    # a full-depth rule of the stop model, as costly as the baseline and within the noise of it: the baseline
+    full = {"baseline": 1.0, "fixed": 1.0}
+    assert fastest_certified({"baseline": 100.0, "fixed": 100.0 * (1 + SPEED_TIE / 2)}, full) == "baseline"
+    assert fastest_certified({"baseline": 100.0, "fixed": 100.0 * (1 + 2 * SPEED_TIE)}, full) == "fixed"
 
 
 def test_the_tie_margin_is_the_timing_spread_so_a_noisy_table_ties_and_a_tight_one_does_not():
