@@ -124,26 +124,30 @@ IN_TIME_FILE = "in_time"
 
 #: the least tie margin: speeds within this fraction of the fastest are a tie even when the passes agreed closely
 SPEED_TIE_FLOOR = 0.02
+#: the most a measured spread widens the tie: past it the timing says little (a loaded machine), and a tie that wide
+#: would hand the choice to validation cost alone
+SPEED_TIE_CAP = 0.10
 
 
-def speed_tie(spreads: list[float | None], floor: float = SPEED_TIE_FLOOR) -> float:
+def speed_tie(spreads: list[float | None], floor: float = SPEED_TIE_FLOOR, cap: float = SPEED_TIE_CAP) -> float:
     """The tie margin of a choice between speeds: the timing noise measured with them, the largest spread of the
-    timed points' passes (:func:`~learn2stop.core.timing.pass_spread`), and at least ``floor``. Two speeds closer
-    than a pass's own jitter on this machine are not told apart by a timing."""
-    return max([floor, *(v for v in spreads if v is not None)])
+    timed points' passes (:func:`~learn2stop.core.timing.pass_spread`), within ``floor`` .. ``cap``. Two speeds
+    closer than a pass's own jitter on this machine are not told apart by a timing."""
+    return min(cap, max([floor, *(v for v in spreads if v is not None)]))
 
 
 def fastest_certified(speeds: dict[str, float], costs: dict[str, float], tie: float = SPEED_TIE_FLOOR) -> str | None:
     """The candidate a user serving at one batch size deploys: the fastest (``speeds``: name -> samples/s), with the
     candidates within ``tie`` of it counted as tied (:func:`speed_tie`) and the tie going to the least validation
     cost (``costs``: name -> mean cost as a fraction of full depth; the baseline at full depth costs 1), then to the
-    baseline (a rule that costs it as much and is no faster beyond the noise only adds early-exit machinery). None
-    when nothing was timed."""
+    baseline (a rule that costs it as much and is no faster beyond the noise only adds early-exit machinery). A rule
+    measured slower than the baseline is never chosen over it. None when nothing was timed."""
     timed = {n: v for n, v in speeds.items() if v is not None and n in costs}
     if not timed:
         return None
-    best = max(timed.values())
-    near = [n for n, v in timed.items() if v >= (1 - tie) * best]
+    best, base = max(timed.values()), timed.get("baseline")
+    # tied with the fastest; never a rule measured slower than the baseline itself (it would buy nothing)
+    near = [n for n, v in timed.items() if v >= (1 - tie) * best and (base is None or n == "baseline" or v >= base)]
     return min(near, key=lambda n: (costs[n], n != "baseline", -timed[n]))
 
 
@@ -268,7 +272,8 @@ def in_time_markdown(result: dict) -> str:
         f"batch {n}: {names[r]}" for n, r in result["fastest"].items())
                  + f". Deployed: the fastest at the served batch ({result['serve_batch']}, `inference.serve_batch`), "
                    f"ties within {100 * result['tie']:.1f} % (the largest spread of a point's timing passes there, "
-                   f"at least {100 * SPEED_TIE_FLOOR:.0f} %) going to the least cost on validation.")
+                   f"{100 * SPEED_TIE_FLOOR:.0f} to {100 * SPEED_TIE_CAP:.0f} %) going to the least cost on validation; no rule "
+                   f"measured slower than the baseline is deployed over it.")
     return "\n".join(lines)
 
 def deployed_rule(app: StoppingApp, cfg: Any, run_dir, sm: StoppingModel, generator=None):

@@ -137,7 +137,7 @@ def test_the_deployment_is_the_fastest_certified_rule_with_ties_to_the_least_cos
 
 
 def test_the_tie_margin_is_the_timing_spread_so_a_noisy_table_ties_and_a_tight_one_does_not():
-    from learn2stop.core.deploy import SPEED_TIE_FLOOR, fastest_certified, speed_tie
+    from learn2stop.core.deploy import SPEED_TIE_CAP, SPEED_TIE_FLOOR, fastest_certified, speed_tie
     from learn2stop.core.timing import pass_spread
 
     # one job's passes: the best against the (lower) median pass
@@ -152,3 +152,6 @@ def test_the_tie_margin_is_the_timing_spread_so_a_noisy_table_ties_and_a_tight_o
     tight = speed_tie([pass_spread([130.0, 129.5, 129.0]), pass_spread([122.0, 121.8, 121.5])])
     assert tight == SPEED_TIE_FLOOR  # passes that agree leave the floor
     assert fastest_certified(speeds, costs, tight) == "fixed"  # a real difference: the faster
+    # a loaded machine's wide spread is capped, and a rule measured slower than the baseline never wins a tie
+    assert speed_tie([0.39]) == SPEED_TIE_CAP
+    assert fastest_certified({"baseline": 790.0, "entropy": 760.0}, {"baseline": 1.0, "entropy": 0.93}, 0.39) == "baseline"
