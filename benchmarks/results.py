@@ -268,8 +268,13 @@ def summary_row(run: str, record: dict | None) -> str:
     task = f"{record['task']} ({record['preset']}): {metric}"
     base = f"{s['reference']}: {_num(s['baseline']['metric'])}"
     if s["deployed"] == "baseline":
+        served = sizes[0]
+        reached = [r for r in s["rules"] if r["reached"] and r["speedup"].get(served) is not None]
+        quickest = max(reached, key=lambda r: r["speedup"][served], default=None)
         note = ("the baseline: neither the policy rule nor a fixed depth of the stop model reaches its quality on "
-                "validation")
+                "validation" if quickest is None else
+                f"the baseline: every certified rule of the stop model runs slower at batch {served} (the fastest, "
+                f"{quickest['rule']}, {quickest['speedup'][served]:.2f}×)")
         return f"| {task} | {base} | {note} | {_steps(T)} of {_steps(T)} | 1.00× (the baseline itself) |"
     r = rules.get(s["deployed"])
     if r is None or not r["reached"]:
