@@ -137,6 +137,9 @@ def deployed_rule(cfg: LmConfig, run_dir: Path, models: dict):
     if cfg.exit_rule == "full":
         return "full depth (Stage I)", gpt, rule_for(gpt, "full", math.inf)
     deployed = json.loads(path.read_text(encoding="utf-8"))
+    if cfg.exit_rule == "deployed" and deployed["backbone"] == "baseline":  # the plain GPT kept the quality fastest
+        base = models["baseline"][0]
+        return "full depth (GPT)", base, rule_for(base, "full", math.inf)
     name = deployed["rule"] if cfg.exit_rule == "deployed" else cfg.exit_rule
     lam = deployed["thresholds"][name]
     lam = math.inf if lam is None else lam

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ...core.deploy import fastest_certified
 from ...utils.report import write_json
 from .config import LmConfig
 from .generate import generate
@@ -117,11 +118,11 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
                     "row": f"self-speculative (draft layer {draft})", "backbone": "stage1", "rule": "speculative",
                     "threshold": None, "certified": None, "test_mean_layers": None,
                     "generation_agreement": 1.0 if spec_ok else 0.0, "generation_mean_layers": None})
-    deployable = [r for r in results if r["backbone"] == "stage1" and r["rule"] in ("policy", "margin", "saturation",
-                                                                                   "fixed")]
-    fastest = max(deployable, key=lambda r: timing[r["row"]]["generate"].get(1, 0.0))
-    deployed = {"backbone": "stage1", "rule": fastest["rule"], "row": fastest["row"],
-                "chosen_by": "fastest batch-1 generation among Stage I's certified rules",
+    fastest = _deployable(cfg, results, timing, s1.cfg.n_layer)
+    deployed = {"backbone": fastest["backbone"], "rule": fastest["rule"], "row": fastest["row"],
+                "chosen_by": "the fastest batch-1 generation among the plain GPT at full depth and Stage I's "
+                             "certified rules within epsilon of its validation loss (ties within 2 % to fewer layers, "
+                             "then the GPT)",
                 "thresholds": {r: (None if not math.isfinite(x) else x) for r, x in lam["stage1"].items()},
                 "calibration": {k: {r: c.to_dict() for r, c in v.items()} for k, v in cal.items()}}
     write_json(deployed, run_dir / "deployed.json")
@@ -130,8 +131,22 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
            "prompts": int(prompts.shape[0]), "new_tokens": n_new, "test_tokens": int(test[0].numel()),
            "val_tokens": int(val[0].numel())}
     write_reports(cfg, run_dir, out, test_trace, s1)
-    log(f"deployed: {deployed['row']} (the fastest certified at batch 1)")
+    log(f"deployed: {deployed['row']} (the fastest at batch 1 that keeps the plain GPT's quality)")
     return out
+
+
+def _deployable(cfg: LmConfig, results: list[dict], timing: dict, L: int) -> dict:
+    """The row a user serving at batch 1 deploys: of the plain GPT at full depth and Stage I's certified rules whose
+    validation loss is within epsilon of the GPT's (a rule certified against Stage I's own full depth may still
+    lose to the GPT), the fastest generation at batch 1 (:func:`~learn2stop.core.deploy.fastest_certified`)."""
+    gpt_row = results[0]
+    eps = cfg.calibration.epsilon if cfg.calibration.risk == "loss" else 0.0
+    keeps = gpt_row["val_loss"] + eps
+    rows = {"baseline": gpt_row, **{r["rule"]: r for r in results if r["backbone"] == "stage1" and r["rule"] in
+                                    ("policy", "margin", "saturation", "fixed") and r["val_loss"] <= keeps}}
+    speeds = {n: timing[r["row"]]["generate"].get(1) for n, r in rows.items()}
+    costs = {n: (r["test_mean_layers"] or L) / L for n, r in rows.items()}
+    return rows[fastest_certified(speeds, costs) or "baseline"]
 
 
 def _time_rows(cfg: LmConfig, rows, prompts, test, draft: int, s1) -> dict:

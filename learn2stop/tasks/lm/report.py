@@ -79,7 +79,8 @@ def in_time_record(cfg, out: dict, L: int) -> dict:
     return {"metric": "test loss (nats/char)", "reference": "GPT, full depth", "batch_sizes": sizes,
             "calibration": f"Learn-then-Test per token, {c.risk} risk over the same backbone's full depth <= "
                            f"{c.epsilon} at delta {c.delta}; fastest: test loss within {c.epsilon} of the GPT's",
-            "deployed": short_name(next(r for r in out["results"] if r["row"] == out["deployed"]["row"])),
+            "deployed": ("baseline" if out["deployed"]["backbone"] == "baseline" else
+                         short_name(next(r for r in out["results"] if r["row"] == out["deployed"]["row"]))),
             "fastest": fastest, "rows": rows}
 
 
