@@ -18,7 +18,7 @@ from ..base import RunContext, TaskSpec, as_run, register_task
 from .app import APP
 from .config import PRESETS, MAMLConfig
 from .models import meta_learner, step_view
-from .report import plot_stop_by_shot, results_markdown, stop_steps_by_shot, summarize
+from .report import paper_reference, plot_stop_by_shot, results_markdown, stop_steps_by_shot, summarize
 
 
 def evaluate(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
@@ -63,6 +63,7 @@ def evaluate(cfg: MAMLConfig, run: RunContext | str | Path) -> dict:
     n, by_shot = len(shots), stop_steps_by_shot(shots, learned["stop_times"])
     result.update({"tasks": n, "rows": rows, "mean_stop_step": learned["mean_steps"], "stop_by_shot": by_shot,
                    "inner_steps_computed": {"maml": n * T, "maml_stop": learned["steps_computed"]}})
+    result["paper"] = paper_reference(cfg.data.source, cfg.data.n_way, cfg.data.k_min, cfg.data.k_max)
     title = f"{cfg.data.source}, {cfg.data.n_way}-way {cfg.data.k_min}-{cfg.data.k_max} shot, {n} test tasks"
     text = results_markdown(result, title, T)
     if run.ctx.is_main:

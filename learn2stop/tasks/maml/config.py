@@ -195,6 +195,22 @@ PRESETS: dict[str, dict] = {
     "omniglot-folders": {"data": {"source": "omniglot_folders"}},
     # Table 5's vanilla setting: Omniglot 20-way 5-shot, fixed K.
     "omniglot-vanilla": {"data": {"k_min": 5, "k_max": 5}},
+    # Table 5 on two CPU cores: Omniglot 5-way 1-shot (the paper's protocol: Conv4 64 filters, Finn et al.'s split,
+    # 600 test tasks), reduced to fit about 50 minutes at one thread: first-order, 5 inner steps at lr 0.4, meta-batch
+    # 8, 1800 meta-iterations per meta-learner (the paper: second-order, 60k at meta-batch 32); one query per class.
+    "omniglot5-1shot-cpu": {
+        "data": {"n_way": 5, "k_min": 1, "k_max": 1, "query_per_class": 1},
+        "model": {"first_order": True, "inner_steps": 5, "inner_lr": 0.4},
+        "maml": _ITERS(1800, 8, 300), "stage1": _ITERS(1800, 8, 300),
+        "stage2": {**_ITERS(500, 8, 250), "lr": 1e-3},
+    },
+    # Table 5's 5-shot column: five times the support set, so 1000 meta-iterations per meta-learner.
+    "omniglot5-5shot-cpu": {
+        "data": {"n_way": 5, "k_min": 5, "k_max": 5, "query_per_class": 1},
+        "model": {"first_order": True, "inner_steps": 5, "inner_lr": 0.4},
+        "maml": _ITERS(1000, 8, 250), "stage1": _ITERS(1000, 8, 250),
+        "stage2": {**_ITERS(400, 8, 200), "lr": 1e-3},
+    },
     # MiniImagenet 5-way 1-10 shot: 10 steps, inner lr 0.01, meta-batch 1, outer lr 1e-4, beta 0.01 (32 filters as in MAML).
     "miniimagenet": {
         "data": {"source": "miniimagenet", "path": "data/miniimagenet", "n_way": 5, "k_min": 1, "k_max": 10,

@@ -27,13 +27,39 @@ def stop_steps_by_shot(shots: Tensor, stop_times: Tensor) -> dict[int, dict[str,
     return out
 
 
+#: the paper's Omniglot accuracies (%, 95 % CI) by (N-way, k_min, k_max): Table 4 (task-imbalanced) and Table 5 (vanilla)
+PAPER_OMNIGLOT = {
+    (20, 1, 5): {"table": "Table 4", "MAML": (97.96, 0.3), "MAML-stop": (98.45, 0.2)},
+    (5, 1, 1): {"table": "Table 5", "MAML": (98.7, 0.4), "MAML-stop": (99.62, 0.22)},
+    (5, 5, 5): {"table": "Table 5", "MAML": (99.1, 0.1), "MAML-stop": (99.68, 0.12)},
+    (20, 1, 1): {"table": "Table 5", "MAML": (95.8, 0.3), "MAML-stop": (96.05, 0.35)},
+    (20, 5, 5): {"table": "Table 5", "MAML": (98.9, 0.2), "MAML-stop": (98.94, 0.10)},
+}
+
+
+def paper_reference(source: str, n_way: int, k_min: int, k_max: int) -> dict | None:
+    """The paper's MAML and MAML-stop accuracies for this Omniglot setting, or None where the paper has none."""
+    return PAPER_OMNIGLOT.get((n_way, k_min, k_max)) if source.startswith("omniglot") else None
+
+
+def _paper_cell(method: str, paper: dict | None) -> str:
+    """The paper's number for a table row: MAML's for the baseline row, MAML-stop's for the learned stop's."""
+    if paper is None:
+        return ""
+    key = "MAML" if method.startswith("MAML (") else "MAML-stop" if method.startswith("MAML-stop (") else None
+    return "" if key is None else f"{paper[key][0]:.2f} +- {paper[key][1]:.2f}"
+
+
 def results_markdown(result: dict, title: str, num_steps: int) -> str:
-    """``results.md``: the methods' table with 95% CIs, the rule and steps computed, stop step by shot."""
+    """``results.md``: the methods' table with 95% CIs (the paper's beside where it has the setting), the rule and
+    steps computed, stop step by shot."""
     from ...utils.report import markdown_table
 
     name = f"{result['metric']} ({'lower' if result['lower_is_better'] else 'higher'} is better)"
-    table = markdown_table(["method", name, "95% CI +-"], [[k, v["mean"], v["ci95"]] for k, v in result["rows"].items()],
-                           digits=3 if result["lower_is_better"] else 2)
+    paper = result.get("paper")
+    headers = ["method", name, "95% CI +-"] + ([f"paper ({paper['table']})"] if paper else [])
+    table = markdown_table(headers, [[k, v["mean"], v["ci95"]] + ([_paper_cell(k, paper)] if paper else [])
+                                     for k, v in result["rows"].items()], digits=3 if result["lower_is_better"] else 2)
     shots = markdown_table(["K (shots)", "tasks", "mean stop step"],
                            [[k, v["tasks"], v["mean_stop"]] for k, v in result["stop_by_shot"].items()])
     steps = result["inner_steps_computed"]
