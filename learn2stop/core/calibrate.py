@@ -15,7 +15,7 @@ from .calibration import CalibrationTarget, calibrate_budget
 from .calibration_file import CALIBRATION_FILE, Calibration, check_calibration_replace, save_calibration
 from .risk_control import calibrate_risk
 from .curves import (budget_costs, rule_costs)
-from .timing import speeds_side_by_side
+from .timing import fastest_certified, speed_tie, speeds_side_by_side
 from .trace import Trace
 from .loop import run_with_early_exit
 from .model import StoppingModel
@@ -151,26 +151,32 @@ def calibrate_command(app: StoppingApp, cfg: Any, run: Run, target: CalibrationT
 
 def _fastest_calibration(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, cals: dict[str, Calibration],
                          speed_batch: int | None) -> Calibration:
-    """The calibrated rule that runs fastest at batch ``speed_batch`` (:func:`time_rules`); the others' speeds and test
-    results recorded with it (``Calibration.chosen_by``)."""
-    speeds, bname, sizes, _ = time_rules(app, cfg, run, {r: (sm.model, lambda c=c: calibrated_rule(app, cfg, sm, c))
-                                                      for r, c in cals.items()}, (speed_batch or app.speed_batch,))
+    """The calibrated rule that runs fastest at batch ``speed_batch`` (:func:`time_rules`), speeds within the timing
+    noise (:func:`~learn2stop.core.timing.speed_tie` of the passes' spreads) tied and the tie going to the least
+    validation cost (:func:`~learn2stop.core.timing.fastest_certified`); the others' speeds and test results
+    recorded with it (``Calibration.chosen_by``)."""
+    speeds, bname, sizes, spreads = time_rules(app, cfg, run, {r: (sm.model, lambda c=c: calibrated_rule(app, cfg, sm, c))
+                                                               for r, c in cals.items()}, (speed_batch or app.speed_batch,))
     size = next(iter(sizes.values()))
     timed = {r: v[size] for r, v in speeds.items()}
     if not timed:
         raise ConfigError(f"calibrate --fastest: the {bname} backend runs none of the calibrated rules")
-    best = max(timed, key=timed.get)
+    tie = speed_tie([v.get(size) for v in spreads.values()])
+    best = fastest_certified(timed, {r: c.calibration["mean_cost"] for r, c in cals.items()}, tie)
     cal = cals[best]
-    cal.target = {**cal.target, "fastest_at_batch": size}
+    cal.target = {**cal.target, "fastest_at_batch": size, "tie": tie}
     cal.chosen_by = {"batch_size": size, "backend": bname, "device": str(run.device or "cpu"),
-                     "passes": timing_passes(app, size), "samples_per_s": timed,
-                     "candidates": {r: {"param": c.param if math.isfinite(c.param) else None, "test": c.test}
+                     "passes": timing_passes(app, size), "samples_per_s": timed, "tie": tie,
+                     "candidates": {r: {"param": c.param if math.isfinite(c.param) else None, "test": c.test,
+                                        "mean_cost": c.calibration["mean_cost"]}
                                     for r, c in cals.items()}}
     rows = "\n".join(f"  {r:<11} {f'{timed[r]:,.0f}' if r in timed else '-':>12} samples/s   test {c.test['metric']:.4g} "
-                     f"at {c.test['mean_steps']:.2f} steps" + ("   <- fastest" if r == best else "") for r, c in cals.items())
+                     f"at {c.test['mean_steps']:.2f} steps" + ("   <- deployed" if r == best else "") for r, c in cals.items())
     run.log(f"calibrate --fastest: every rule calibrated for the same target, timed at batch {size} ({bname}, "
-            f"{timing_passes(app, size)} passes, the best each):\n{rows}")
+            f"{timing_passes(app, size)} passes, the best each); speeds within {100 * tie:.1f} % of the fastest (the "
+            f"passes' spread) are a tie, going to the least cost on validation:\n{rows}")
     return cal
+
 
 def shuffled(inputs: Any, seed: int = 0) -> Any:
     """A batch-first tree in a fixed random order. The frontier times the first samples of its test inputs one by

@@ -25,7 +25,8 @@ from .rules import FixedDepth
 from .signal_registry import SIGNALS, make_signal
 from .signals import DepthSignal
 from .calibrate import calibrate_each, time_rules, timing_passes
-from .deployment import DEPLOYMENT_FILE, load_deployment, served_baseline  # noqa: F401 - served_baseline: export's
+from .timing import SPEED_TIE_CAP, SPEED_TIE_FLOOR, fastest_certified, speed_tie
+from .deployment import DEPLOYMENT_FILE
 from .task import Run, StoppingApp, calibrated_rule, model_rules, stop_model_trace
 from .train import load_stage
 
@@ -41,7 +42,7 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
     own calibration wins). With no lead at full depth (an earlier exit may still be better than the last), the
     cheapest threshold that matches the baseline's full depth on validation, empirically, with no guarantee
     (target kind ``match``). None when no threshold reaches it: then the run deploys the baseline at full depth,
-    recorded with the reason in ``deployment.json`` (:func:`served_baseline`).
+    recorded with the reason in ``deployment.json`` (:func:`~learn2stop.core.deployment.served_baseline`).
 
     Every other rule of the stop model (the other policy rules, the classical ones, a fixed depth) is calibrated for
     the same target too, and each is timed side by side with the baseline at full depth at batch 1, at
@@ -121,35 +122,6 @@ def deploy_calibration(app: StoppingApp, cfg: Any, run: Run, *, delta: float = 0
 
 
 IN_TIME_FILE = "in_time"
-
-#: the least tie margin: speeds within this fraction of the fastest are a tie even when the passes agreed closely
-SPEED_TIE_FLOOR = 0.02
-#: the most a measured spread widens the tie: past it the timing says little (a loaded machine), and a tie that wide
-#: would hand the choice to validation cost alone
-SPEED_TIE_CAP = 0.10
-
-
-def speed_tie(spreads: list[float | None], floor: float = SPEED_TIE_FLOOR, cap: float = SPEED_TIE_CAP) -> float:
-    """The tie margin of a choice between speeds: the timing noise measured with them, the largest spread of the
-    timed points' passes (:func:`~learn2stop.core.timing.pass_spread`), within ``floor`` .. ``cap``. Two speeds
-    closer than a pass's own jitter on this machine are not told apart by a timing."""
-    return min(cap, max([floor, *(v for v in spreads if v is not None)]))
-
-
-def fastest_certified(speeds: dict[str, float], costs: dict[str, float], tie: float = SPEED_TIE_FLOOR) -> str | None:
-    """The candidate a user serving at one batch size deploys: the fastest (``speeds``: name -> samples/s), with the
-    candidates within ``tie`` of it counted as tied (:func:`speed_tie`) and the tie going to the least validation
-    cost (``costs``: name -> mean cost as a fraction of full depth; the baseline at full depth costs 1), then to the
-    baseline (a rule that costs it as much and is no faster beyond the noise only adds early-exit machinery). A rule
-    measured slower than the baseline is never chosen over it. None when nothing was timed."""
-    timed = {n: v for n, v in speeds.items() if v is not None and n in costs}
-    if not timed:
-        return None
-    best, base = max(timed.values()), timed.get("baseline")
-    # tied with the fastest; never a rule measured slower than the baseline itself (it would buy nothing)
-    near = [n for n, v in timed.items() if v >= (1 - tie) * best and (base is None or n == "baseline" or v >= base)]
-    return min(near, key=lambda n: (costs[n], n != "baseline", -timed[n]))
-
 
 def _deploy_fastest(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, base: StoppingModel, val: Trace,
                     calibrate: Callable, rule: str, how: str) -> tuple[Calibration | None, str, float]:
@@ -275,9 +247,3 @@ def in_time_markdown(result: dict) -> str:
                    f"{100 * SPEED_TIE_FLOOR:.0f} to {100 * SPEED_TIE_CAP:.0f} %) going to the least cost on validation; no rule "
                    f"measured slower than the baseline is deployed over it.")
     return "\n".join(lines)
-
-def deployed_rule(app: StoppingApp, cfg: Any, run_dir, sm: StoppingModel, generator=None):
-    """(rule, description) the stop model ``sm`` runs in a trained run (``run_dir`` None: the config's rule):
-    :func:`~learn2stop.core.deployment.load_deployment` of the stop stage."""
-    d = load_deployment(app, cfg, run_dir, stage=app.stop_stage, sm=sm, generator=generator)
-    return d.online, d.description

@@ -138,7 +138,7 @@ def load_deployment(app: StoppingApp, cfg: Any, run_dir, *, stage: str | None = 
         what = f"{where}: threshold" if cal is not None else "inference.param"
         if depth is not None and not 1 <= depth <= sm.num_steps:
             raise ConfigError(f"{what}: a fixed depth must be in 1..{sm.num_steps} (the model's steps); got {depth:g}")
-    online, desc = active_rule(inference, rules_dir, sm.policy, key=signal_key(app, cfg, name), generator=generator)
+    online, desc = active_rule(inference, cal, sm.policy, key=signal_key(app, cfg, name), generator=generator)
     if rules_dir is None:
         record = None  # a stage other than the stop stage: what the run serves is not its business
     if record is not None:

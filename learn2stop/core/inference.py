@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,7 +15,7 @@ from torch import Tensor
 
 from ..runtime.registry import get_rule, list_rules
 from ..utils.config import one_of, require
-from .calibration_file import check_param, load_calibration
+from .calibration_file import Calibration, check_param
 from .loop import Rollout
 from .policy_signals import PolicyRule, sampled_stop_times
 from .protocols import member
@@ -104,17 +103,17 @@ def policy_scores(stop_logits: Tensor, rule: str) -> Tensor:
     return SIGNALS[rule].scores(stop_logits)
 
 
-def active_rule(inference: InferenceConfig, run_dir: str | Path | None, policy=None, key=None,
+def active_rule(inference: InferenceConfig, calibration: Calibration | None = None, policy=None, key=None,
                 generator: torch.Generator | None = None) -> tuple[Any, str]:
-    """The rule a command uses: the run's calibrated rule if any (and allowed), else ``inference``'s.
+    """The rule a command uses: ``calibration`` (a run's, already loaded and checked) if given, else ``inference``'s.
 
     Returns (rule, description).
     """
     if not isinstance(inference, InferenceConfig):
         raise TypeError(f"inference: expected an InferenceConfig (e.g. InferenceConfig(rule='quantile', param=0.5)); "
                         f"got {inference!r}")
-    cal = load_calibration(run_dir) if (run_dir is not None and inference.use_calibrated and not inference.sampled) else None
-    if cal is not None:
+    if calibration is not None:
+        cal = calibration
         desc = f"calibrated {cal.rule} rule ({cal.target}), {cal.rule} parameter {cal.param:.4g}"
         return cal.make_rule(policy, key), desc
     desc = "sampled policy" if inference.sampled else f"{inference.rule} rule, parameter {inference.param:g}"

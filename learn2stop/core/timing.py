@@ -134,3 +134,32 @@ def measure_exit_costs(model: Any, inputs: Any, repeats: int = 5) -> list[float]
                 if rollout:
                     best[t - 1] = min(best[t - 1], time.perf_counter() - t0)
     return list(itertools.accumulate(best))
+
+
+#: the least tie margin: speeds within this fraction of the fastest are a tie even when the passes agreed closely
+SPEED_TIE_FLOOR = 0.02
+#: the most a measured spread widens the tie: past it the timing says little (a loaded machine), and a tie that wide
+#: would hand the choice to validation cost alone
+SPEED_TIE_CAP = 0.10
+
+
+def speed_tie(spreads: list[float | None], floor: float = SPEED_TIE_FLOOR, cap: float = SPEED_TIE_CAP) -> float:
+    """The tie margin of a choice between speeds: the timing noise measured with them, the largest spread of the
+    timed points' passes (:func:`~learn2stop.core.timing.pass_spread`), within ``floor`` .. ``cap``. Two speeds
+    closer than a pass's own jitter on this machine are not told apart by a timing."""
+    return min(cap, max([floor, *(v for v in spreads if v is not None)]))
+
+
+def fastest_certified(speeds: dict[str, float], costs: dict[str, float], tie: float = SPEED_TIE_FLOOR) -> str | None:
+    """The candidate a user serving at one batch size deploys: the fastest (``speeds``: name -> samples/s), with the
+    candidates within ``tie`` of it counted as tied (:func:`speed_tie`) and the tie going to the least validation
+    cost (``costs``: name -> mean cost as a fraction of full depth; the baseline at full depth costs 1), then to the
+    baseline (a rule that costs it as much and is no faster beyond the noise only adds early-exit machinery). A rule
+    measured slower than the baseline is never chosen over it. None when nothing was timed."""
+    timed = {n: v for n, v in speeds.items() if v is not None and n in costs}
+    if not timed:
+        return None
+    best, base = max(timed.values()), timed.get("baseline")
+    # tied with the fastest; never a rule measured slower than the baseline itself (it would buy nothing)
+    near = [n for n, v in timed.items() if v >= (1 - tie) * best and (base is None or n == "baseline" or v >= base)]
+    return min(near, key=lambda n: (costs[n], n != "baseline", -timed[n]))

@@ -16,20 +16,17 @@ from .graphs import export_stop_model
 
 def export_command(app: Any, cfg: Any, run: Any, *, out: str | None, task: str = "custom") -> dict:
     """``learn2stop <task> export --run-dir R --out DIR``: the run's stop model and deployed rule as ONNX."""
-    from ..core.calibration_file import load_calibration
-    from ..core.deploy import served_baseline
+    from ..core.deployment import load_deployment
     from ..core.task import require_trained
-    from ..core.train import load_stage
 
     if app.export_unsupported:
         raise ConfigError(f"export: {app.export_unsupported}")
     check_out_dir(out, "--out", run.run_dir)
     replacing = Path(out).is_dir() and any(Path(out).iterdir())
     require_trained(run.run_dir, app.stop_stage, "export")
-    sm = load_stage(app, cfg, run.run_dir, app.stop_stage, "cpu")
-    inference = app.inference(cfg)
-    cal = load_calibration(run.run_dir) if inference.use_calibrated and not inference.sampled else None
-    rule = cal if cal is not None else inference
+    deployment = load_deployment(app, cfg, run.run_dir, stage=app.stop_stage, device="cpu")
+    sm = deployment.model
+    rule = deployment.calibration if deployment.calibration is not None else app.inference(cfg)
     inputs = app.eval_batches(cfg, "test", "cpu")[0][0]
     example = torch.utils._pytree.tree_map(lambda x: x[:2] if isinstance(x, Tensor) else x, inputs)
     path = export_stop_model(sm, rule, example, out, task=task, dynamic_dims=app.export_dynamic_dims,
@@ -39,7 +36,6 @@ def export_command(app: Any, cfg: Any, run: Any, *, out: str | None, task: str =
     run.log(f"exported stage {app.stop_stage!r} of {run.run_dir} to {path}: {manifest['last_step']} step graphs, "
             f"rule {r['name']} (param {r['param']}, from {r['source']})"
             + (f"; the earlier export is kept in {previous_path(path)}" if replacing else ""))
-    reason = served_baseline(app, cfg, run.run_dir)
-    if reason is not None:
-        run.log(f"note: the run deploys {app.baseline_label} at full depth, not this stop model: {reason}")
+    if deployment.reason:
+        run.log(f"note: the run deploys {app.baseline_label} at full depth, not this stop model: {deployment.reason}")
     return manifest

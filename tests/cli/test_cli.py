@@ -27,7 +27,7 @@ def test_reproduce_end_to_end_writes_tables_figures_and_resumes(tmp_path, capsys
     assert in_time["passes"] == {"1": 9, "90": 3}  # batch 1 jitters: three times the passes
     assert rows["baseline"]["speedup"] == {"1": 1.0, "90": 1.0} and rows["baseline"]["mean_steps"] == 5
     # deployed: the fastest at the served batch (1) among the certified rules and the baseline, up to a timing tie
-    from learn2stop.core.deploy import SPEED_TIE_CAP, SPEED_TIE_FLOOR
+    from learn2stop.core.timing import SPEED_TIE_CAP, SPEED_TIE_FLOOR
 
     deployed = in_time["deployed"]
     timed = {r: row["samples_per_s"]["1"] for r, row in rows.items() if row.get("samples_per_s", {}).get("1")}

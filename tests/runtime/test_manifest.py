@@ -167,7 +167,7 @@ def test_a_graph_swapped_for_another_exports_is_refused_at_load(exported, tmp_pa
 
 
 def test_a_fixed_depth_past_the_steps_is_refused_at_export_and_evaluate(sparse, tmp_path):
-    from learn2stop.core.deploy import deployed_rule
+    from learn2stop.core.deployment import load_deployment
     from learn2stop.tasks.sparse.app import APP, PRESETS, SparseConfig
     from learn2stop.utils.config import ConfigError
     from learn2stop.utils.config_files import resolve
@@ -181,9 +181,9 @@ def test_a_fixed_depth_past_the_steps_is_refused_at_export_and_evaluate(sparse, 
     cfg = resolve(SparseConfig, PRESETS["quick"], None, {"inference": {"rule": "fixed", "param": 99}})
     sm = next(iter(APP.build_models(cfg, "cpu").values()))
     with pytest.raises(ConfigError, match=rf"inference.param: a fixed depth must be in 1..{sm.num_steps}"):
-        deployed_rule(APP, cfg, None, sm)
+        load_deployment(APP, cfg, None, stage=APP.stop_stage, sm=sm)
     cfg.inference.param = sm.num_steps  # the last step is a fixed depth like any other
-    assert deployed_rule(APP, cfg, None, sm)[0].depth == sm.num_steps
+    assert load_deployment(APP, cfg, None, stage=APP.stop_stage, sm=sm).online.depth == sm.num_steps
 
 
 def test_run_refuses_a_threshold_that_is_not_a_finite_number(exported):

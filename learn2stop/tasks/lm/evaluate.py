@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ...core.deploy import fastest_certified
+from ...core.timing import fastest_certified
 from ...utils.report import write_json
 from .config import LmConfig
 from .generate import generate
@@ -138,7 +138,7 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
 def _deployable(cfg: LmConfig, results: list[dict], timing: dict, L: int) -> dict:
     """The row a user serving at batch 1 deploys: of the plain GPT at full depth and Stage I's certified rules whose
     validation loss is within epsilon of the GPT's (a rule certified against Stage I's own full depth may still
-    lose to the GPT), the fastest generation at batch 1 (:func:`~learn2stop.core.deploy.fastest_certified`)."""
+    lose to the GPT), the fastest generation at batch 1 (:func:`~learn2stop.core.timing.fastest_certified`)."""
     gpt_row = results[0]
     eps = cfg.calibration.epsilon if cfg.calibration.risk == "loss" else 0.0
     keeps = gpt_row["val_loss"] + eps

@@ -12,7 +12,7 @@ from learn2stop.core import InferenceConfig, StageConfig, StoppingModel, unroll
 from learn2stop.core.trace import collect_trace, evaluate_rule
 from learn2stop.core.loop import run_with_early_exit
 from learn2stop.core.objectives import StageObjective
-from learn2stop.core.deploy import deployed_rule
+from learn2stop.core.deployment import load_deployment
 from learn2stop.core.train import load_stage
 from learn2stop.core.task import signal_key
 from learn2stop.core.rules import StopAtTimes, first_crossing
@@ -226,7 +226,7 @@ def test_a_run_answers_from_stage2_on_and_rules_read_their_part_of_the_output(tm
     assert callable(key) and signal_key(APP, cfg, "quantile") is None
     for rule, param in (("tolerance", 0.05), ("patience", 1.0)):
         c = dataclasses.replace(cfg, inference=InferenceConfig(rule=rule, param=param, use_calibrated=False))
-        online, _ = deployed_rule(APP, c, run, sm)
+        online = load_deployment(APP, c, run, stage=APP.stop_stage, sm=sm).online
         got = evaluate_rule(sm.model, batches, lambda: online, APP.metric(cfg))["stop_times"]
         trace = collect_trace(sm.model, batches, APP.metric(cfg), signals=APP.classical_signals(cfg))
         signal = APP.classical_signals(cfg)[rule]()
