@@ -108,10 +108,11 @@ def comparison_examples(items: Sequence, sigmas: Sequence[float], models: dict, 
     return examples
 
 
-def table6(summary: list[dict], depth: int, bm3d_note: str, ms_per_image: dict | None = None, paper: bool = True) -> str:
+def table6(summary: list[dict], depth: int, bm3d_note: str, ms_per_image: dict | None = None, paper: bool = True,
+           timed: int | None = None) -> str:
     """Paper-Table-6-style markdown: mean PSNR per sigma of each method, DnCNN-stop's depth and cost,
     its last and best (oracle) exit; the paper's numbers beside on BSD68; then the time per image
-    (``ms_per_image``: {batch size: {method: ms}})."""
+    (``ms_per_image``: {batch size: {method: ms}}, over the first ``timed`` test samples)."""
     has3 = any("psnr DnCNN-stop (III)" in s for s in summary)
     headers = ["sigma", "DnCNN-stop", "DnCNN", "BM3D", *(["Stage III"] if has3 else []), "stop layers",
                "stop MACs %", "stop: last / oracle exit", "ms/img BM3D"]
@@ -128,7 +129,8 @@ def table6(summary: list[dict], depth: int, bm3d_note: str, ms_per_image: dict |
             k = PAPER_TABLE6["sigmas"].index(sigma) if sigma in PAPER_TABLE6["sigmas"] else None
             row += [None if k is None else PAPER_TABLE6[m][k] for m in ("DnCNN-stop", "DnCNN", "BM3D")]
         rows.append(row)
-    timing = "".join(f"\n\nms per image at batch {b} (fastest of interleaved rounds): "
+    over = "" if timed is None else f", the first {timed} test samples"
+    timing = "".join(f"\n\nms per image at batch {b} (fastest of interleaved rounds{over}): "
                      + ", ".join(f"{k} {v:.1f}" for k, v in ms.items()) for b, ms in (ms_per_image or {}).items())
     return (f"PSNR (dB, data range 1, clamped), mean over test images; {bm3d_note}; stop MACs in % of "
             f"DnCNN-stop's full depth\n\n" + markdown_table(headers, rows, digits=2) + timing)
