@@ -17,7 +17,6 @@ from .risk_control import calibrate_risk
 from .curves import (budget_costs, rule_costs)
 from .timing import fastest_certified, speed_tie, speeds_side_by_side
 from .trace import Trace
-from .loop import run_with_early_exit
 from .model import StoppingModel
 from .trees import tree_leaves, tree_map, tree_select
 from .rules import first_crossing
@@ -75,7 +74,7 @@ def time_rules(app: StoppingApp, cfg: Any, run: Run, jobs: dict[str, tuple[Any, 
     the number of speed inputs, and a job the backend cannot run has no entry."""
     inputs = shuffled(app.speed_inputs(cfg, run.device))
     n_in = tree_leaves(inputs)[0].shape[0]
-    bname, runner = next(iter((getattr(run, "runners", None) or {"torch": run_with_early_exit}).items()))
+    bname, runner = next(iter(run.runners.items()))
     names = list(jobs)
     out: dict[str, dict[int, float]] = {n: {} for n in names}
     spread: dict[str, dict[int, float]] = {n: {} for n in names}

@@ -14,18 +14,10 @@ from .task import Run, StoppingApp, check_config
 from .train import run_pipeline
 
 
-def _prepare(run: Run, cfg: Any, command: str) -> None:
-    """Check, lock and record the run directory for a training command, where the run can (the CLI's
-    :class:`~learn2stop.tasks.base.RunContext` prepares once, whoever asks first)."""
-    prepare = getattr(run, "prepare", None)
-    if prepare is not None:
-        prepare(cfg, command)
-
-
 def train(app: StoppingApp, cfg: Any, run: Run) -> dict:
     """Train the task's stages in order into the run directory, resuming what exists (Algorithm 1's training)."""
     check_config(cfg)
-    _prepare(run, cfg, "train")
+    run.prepare(cfg, "train")
     return _train(app, cfg, run)
 
 
@@ -41,7 +33,7 @@ def reproduce(app: StoppingApp, cfg: Any, run: Run, evaluate: Callable[[Any, Run
     (:func:`~learn2stop.core.deploy.deploy_calibration`), ``evaluate`` with it (the task's tables), and, where the
     task asks (``app.reproduce_frontier``), the frontier; the total wall-clock is logged."""
     check_config(cfg)
-    _prepare(run, cfg, "reproduce")
+    run.prepare(cfg, "reproduce")
     t0 = time.perf_counter()
     training = _train(app, cfg, run)
     deploy_calibration(app, cfg, run)
@@ -62,6 +54,4 @@ def calibrate(app: StoppingApp, cfg: Any, run: Run) -> Any:
 def frontier(app: StoppingApp, cfg: Any, run: Run) -> dict:
     """Quality against mean steps and wall-clock time, every rule of the task side by side
     (:func:`~learn2stop.core.frontier.frontier_command`)."""
-    options = getattr(run, "options", None)
-    return frontier_command(app, cfg, run, speed=not getattr(options, "no_speed", False),
-                            runners=getattr(run, "runners", None))
+    return frontier_command(app, cfg, run, speed=not run.options.no_speed)

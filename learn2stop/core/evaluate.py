@@ -75,8 +75,7 @@ def evaluate_deployed(app: StoppingApp, cfg: Any, run: Run, stage: str | None = 
     batches = app.eval_batches(cfg, "test", dev)
     dep = load_deployment(app, cfg, run.run_dir if run_dir == "run" else run_dir, stage=stage or app.stop_stage,
                           device=dev, generator=generator)
-    runner = getattr(run, "runner", None)
-    kw = {"extras": app.trace_extras(cfg), **({"runner": runner} if runner is not None else {})}
+    kw = {"extras": app.trace_extras(cfg), "runner": run.runner}
     sm = dep.model
     out = EvaluatedModel(dep, evaluate_rule(sm.model, batches, lambda: dep.online, metric, dev, **kw), batches=batches)
     inf = app.inference(cfg)

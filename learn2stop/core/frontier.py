@@ -47,13 +47,12 @@ class SpeedPlan:
     runners: dict[str, Callable] = field(default_factory=lambda: {"torch": run_with_early_exit})
 
 
-def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=DEFAULT_BUDGETS,
-                     speed: bool = True, runners: dict[str, Callable] | None = None) -> dict:
+def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=DEFAULT_BUDGETS, speed: bool = True) -> dict:
     """The accuracy-compute frontier of a trained run: ``frontier.json``, ``frontier.md``, ``frontier.png``.
 
     The stop model's traces on test and validation, the baseline's and those of the task's ``frontier_also``
-    trainings, measured by :func:`build_frontier`. ``runners``: backend name -> runner (:mod:`learn2stop.backends`;
-    default eager torch) whose speeds are measured side by side. The first gives each point's ``samples_per_s_*``
+    trainings, measured by :func:`build_frontier`. The run's ``runners`` (:mod:`learn2stop.backends`; eager torch by
+    default) are timed side by side. The first gives each point's ``samples_per_s_*``
     and the time plot; every one has its speeds in ``point["speeds"][name]`` and its "In time" table, all against
     the first backend's reference (e.g. ONNX Runtime's policy against eager LISTA). A point a backend cannot run
     has none.
@@ -83,7 +82,7 @@ def frontier_command(app: StoppingApp, cfg: Any, run: Run, *, budgets=DEFAULT_BU
         inputs = shuffled(app.speed_inputs(cfg, dev))
         bn = min(app.speed_batch, tree_leaves(inputs)[0].shape[0])
         plan = SpeedPlan(timing_slice(app, inputs, 1), timing_slice(app, inputs, bn), bn, timing_passes(app, bn),
-                         timing_passes(app, 1), runners or {"torch": run_with_early_exit})
+                         timing_passes(app, 1), run.runners)
     result = build_frontier(sm, test, val, metric, classical=app.classical_signals(cfg), budgets=budgets,
                             budget_by=app.budget_by, main=app.policy_rule(cfg) if sm.policy is not None else None,
                             others=others, plan=plan, cost_unit=app.cost_unit(cfg, sm), device=dev,

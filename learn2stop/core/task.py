@@ -45,16 +45,33 @@ class Stage:
 
 
 class Run(Protocol):
-    """What the core reads of a run: where it writes, on which device and process, how it reports, and whether
-    it resumes (the CLI's :class:`~learn2stop.tasks.base.RunContext` is one; any object with these will do)."""
+    """What the core reads of a run: where it writes, on which device and process, how it reports, whether it
+    resumes, the command's options beyond the config, and the backends it times and evaluates on (the CLI's
+    :class:`~learn2stop.tasks.base.RunContext` is one; any object with these will do)."""
 
     run_dir: Path
     ctx: DistContext
     progress: bool
     resume: bool
+    #: the command's options beyond the config (``--budget``, ``--fastest``, ``--no-speed``, ...)
+    options: Any
 
     @property
     def device(self) -> Any: ...
+
+    @property
+    def runners(self) -> dict[str, Callable]:
+        """Backend name -> early-exit runner, in the order asked (eager torch by default)."""
+        ...
+
+    @property
+    def runner(self) -> Callable:
+        """The runner ``evaluate`` uses: the first of :attr:`runners`."""
+        ...
+
+    def prepare(self, cfg: Any, command: str) -> None:
+        """Check, lock and record the run directory for ``command`` (once per run, whoever asks first)."""
+        ...
 
     def log(self, message: str) -> None: ...
 
