@@ -1,7 +1,7 @@
 """The checks that need a GPU, as one script for a short lease: early exit's speed at batch 256, and the presets the
 CPU cannot afford.
 
-    python benchmarks/device_check.py --out OUT --data DATA --vgg RUN --resnet RUN --sparse RUN --seconds 480
+    python benchmarks/device_check.py --out OUT --data DATA --vgg RUN --resnet RUN --sparse RUN --omniglot DIR --seconds 480
     python benchmarks/device_check.py --unpack FILES_AT --into runs/    # back here: the runs trained there
 
 Each step runs as its own process with its own time limit, so a failing step costs only itself:
@@ -13,7 +13,10 @@ Each step runs as its own process with its own time limit, so a failing step cos
 4. ``sparse frontier --device cuda`` on a trained quick run (batch 1 and 1000);
 5. ``classify reproduce --preset cifar --device cuda`` (VGG16-BN, a few CPU-hours; minutes on a GPU), in what time is
    left;
-6. ``sparse reproduce --preset paper-cpu --device cuda`` (the paper's problem: about 3 CPU-hours on 2 cores, minutes
+6. with ``--omniglot``, ``maml reproduce --preset omniglot5-1shot-cpu`` at the paper's order (second order) and
+   Finn et al.'s meta-batch 32: Table 5's 5-way 1-shot as the CPU preset cannot afford it (its baseline and stop
+   model come back packed as below);
+7. ``sparse reproduce --preset paper-cpu --device cuda`` (the paper's problem: about 3 CPU-hours on 2 cores, minutes
    on a GPU), in what time is left. Its stop model and LISTA baseline come back to
    be timed where they are deployed: their finished checkpoints, without optimizer state, as ``OUT/<run>.ckpt.partN``
    (15 MiB parts: a lease returns at most 8 files of 16 MiB). ``--unpack`` rebuilds the run from them and
@@ -96,6 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vgg", default="", help="a finished classify quick run (VGG)")
     ap.add_argument("--resnet", default="", help="a finished classify quick run with --model.arch resnet20")
     ap.add_argument("--sparse", default="", help="a finished sparse quick run")
+    ap.add_argument("--omniglot", default="", help="the Omniglot folder (background.npz, evaluation.npz, maml_split.txt)")
     ap.add_argument("--seconds", type=float, default=480.0, help="the whole script's time")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--work", default="/tmp/learn2stop-device-check", help="scratch folder for the runs")
@@ -176,6 +180,14 @@ def main(argv=None) -> int:
         d = copy(args.sparse, "sparse-quick")
         step("frontier-sparse", cli("sparse", "frontier", "--preset", "quick", "--run-dir", str(d),
                                     patch={"speed_samples": 100}), 90)
+    if args.omniglot:
+        maml = work / "maml-omniglot5-1shot-gpu"
+        second_order = ["--model.first_order", "false", "--maml.batch_size", "32", "--stage1.batch_size", "32"]
+        if step("reproduce-maml-omniglot5", cli("maml", "reproduce", "--preset", "omniglot5-1shot-cpu", "--run-dir",
+                                                str(maml), "--data.path", args.omniglot, *second_order), 600) \
+                or (maml / "checkpoints").is_dir():
+            parts = pack_checkpoints(maml, ["baseline", "stage2"], out / "maml-omniglot5-1shot-gpu.ckpt")
+            say(f"packed the finished baseline and stage2 of {maml.name} in {len(parts)} parts")
     # reproduce ends with the frontier (every rule's speed at batch 1 and 256, as above)
     step("reproduce-cifar", cli("classify", "reproduce", "--preset", "cifar", "--run-dir", str(work / "classify-cifar"),
                                 "--data.path", args.data, patch=gpu_speed), 10_000)
