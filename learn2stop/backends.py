@@ -33,9 +33,11 @@ from .core.policy_signals import PolicyRule
 from .core.rules import FixedDepth, SignalRule
 from .core.streaming import StreamingRunner
 from .core.trees import batch_size, tree_cat, tree_leaves, tree_select
+from .utils.registry import Registry
 
-BACKENDS = ("torch", "compile", "stream", "onnxruntime")
 Runner = Callable[[Any, Any, Any], Rollout]
+#: backend name -> a factory of its runner, called with ONNX Runtime's intra-op threads (registered below)
+BACKENDS: Registry[Callable[[int], Runner]] = Registry("backend")
 __all__ = ["BACKENDS", "BackendError", "CompiledRunner", "OnnxRunner", "StreamRunner", "check_exportable", "make_runner",
            "parse_backends"]
 
@@ -63,18 +65,11 @@ def check_exportable(command: str, backends: list[str], export_unsupported: str)
 
 def make_runner(name: str, threads: int = 1) -> Runner:
     """The runner of backend ``name`` (one of :data:`BACKENDS`); ``threads``: ONNX Runtime's intra-op threads."""
-    if name == "torch":
-        return run_with_early_exit
-    if name == "compile":
-        return CompiledRunner()
-    if name == "stream":
-        return StreamRunner()
-    if name == "onnxruntime":
-        return OnnxRunner(threads)
-    raise BackendError(f"backend: unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name not in BACKENDS:
+        raise BackendError(f"backend: unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return BACKENDS.get(name)(threads)
 
 
-# ----------------------------------------------------------------------------- torch.compile
 class _Compiled:
     """A step-wise model whose ``step`` and ``readout`` are compiled; every other member is the model's."""
 
@@ -192,3 +187,9 @@ class OnnxRunner:
         outputs = ({k: torch.from_numpy(np.ascontiguousarray(v)).to(device) for k, v in r.outputs.items()}
                    if isinstance(r.outputs, dict) else torch.from_numpy(r.outputs).to(device))
         return Rollout(outputs=outputs, stop_times=torch.from_numpy(r.stop_times).to(device), num_steps=r.num_steps)
+
+
+BACKENDS.register("torch")(lambda threads: run_with_early_exit)
+BACKENDS.register("compile")(lambda threads: CompiledRunner())
+BACKENDS.register("stream")(lambda threads: StreamRunner())
+BACKENDS.register("onnxruntime")(lambda threads: OnnxRunner(threads))

@@ -45,3 +45,7 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: str) -> bool:
         return name in self._entries
+
+    def __iter__(self):
+        """The names in the order they were registered."""
+        return iter(self._entries)

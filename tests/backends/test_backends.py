@@ -33,6 +33,20 @@ def test_parse_backends_names_the_choices():
     assert make_runner("torch") is run_with_early_exit and set(BACKENDS) == {"torch", "compile", "stream", "onnxruntime"}
 
 
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_every_registered_backend_runs_the_torch_loops_early_exit(name, lista):
+    """One check over the registry: each backend's runner gives eager torch's stop times and outputs."""
+    if name == "onnxruntime":
+        pytest.importorskip("onnxruntime")
+    sm, y = lista
+    runner = make_runner(name)
+    with torch.no_grad():
+        for rule in (FixedDepth(), FixedDepth(3), PolicyRule(sm.policy, threshold=0.4)):
+            ref, got = run_with_early_exit(sm.model, y, rule), runner(sm.model, y, rule)
+            assert torch.equal(got.stop_times, ref.stop_times), (name, rule)
+            torch.testing.assert_close(got.outputs, ref.outputs, atol=1e-5, rtol=1e-5)
+
+
 def test_parse_backends_refuses_empty_names_instead_of_reading_them_as_torch():
     for bad in ("", "torch,,", ",torch", " "):
         with pytest.raises(BackendError, match=r"--backend: .*\(an empty name\)"):

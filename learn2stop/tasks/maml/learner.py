@@ -52,6 +52,8 @@ class Conv4(nn.Module):
     linear weights and biases; the BatchNorm affine parameters are meta-learned only.
     """
 
+    cpu_batching = "vmap"  # how a meta-batch of tasks runs on CPU tensors (see map_tasks)
+
     def __init__(self, in_channels: int = 1, image_size: int = 28, out_dim: int = 5, hidden: int = 64):
         super().__init__()
         self.params = nn.ParameterDict()
@@ -160,7 +162,7 @@ class MAMLModel(nn.Module):
             with ``num_steps=1, updates_per_step=T`` (one output after all updates).
         policy_features: also compute the support-set features the stopping policy reads.
         task_batching: ``"vmap"``, ``"loop"`` (see :func:`map_tasks`) or ``"auto"``: vmap on GPU
-            tensors, the network's ``cpu_batching`` on CPU tensors (Conv4: loop, MLP: vmap).
+            tensors, the network's ``cpu_batching`` on CPU tensors.
         inner_grad_clip: the most an inner step may move a task's fast weights, as a norm of its
             support gradient (all adapted tensors together): a larger gradient is scaled down to this
             norm, so T steps move the weights by at most ``T * inner_lr * inner_grad_clip`` and the
@@ -224,7 +226,7 @@ class MAMLModel(nn.Module):
     def _mode(self, inputs: dict) -> str:
         if self.task_batching != "auto":
             return self.task_batching
-        return "vmap" if inputs["support_x"].is_cuda else getattr(self.net, "cpu_batching", "vmap")
+        return "vmap" if inputs["support_x"].is_cuda else self.net.cpu_batching
 
     # ------------------------------------------------------------------ step-wise protocol
     def initial_state(self, inputs: dict) -> dict:
