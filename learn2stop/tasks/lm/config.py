@@ -3,7 +3,7 @@ and the task's config (data, stages, calibration, evaluation, generation) with i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from ...utils.config import (ConfigError, fraction, in_open_unit, int_at_least, non_negative, one_of, positive,
@@ -17,11 +17,9 @@ PROPAGATIONS = ("copy", "learned")
 
 
 @dataclass
-class GPTConfig:
-    """A small character-level GPT (nanoGPT's shape): ``n_layer`` pre-norm blocks of width ``n_embd``."""
+class GPTShape:
+    """The shape of a small GPT (nanoGPT's): ``n_layer`` pre-norm blocks of width ``n_embd``, and where it exits."""
 
-    vocab_size: int = 65
-    """Distinct tokens (characters): 65 for Tiny Shakespeare."""
     context: int = 128
     """The longest sequence the model reads (its position embeddings)."""
     n_layer: int = 6
@@ -38,7 +36,7 @@ class GPTConfig:
     """How a stopped token's later layers get its keys and values: ``copy`` or ``learned`` (see PROPAGATIONS)."""
 
     def __post_init__(self):
-        for name in ("vocab_size", "context", "n_layer", "n_head", "n_embd", "exit_every"):
+        for name in ("context", "n_layer", "n_head", "n_embd", "exit_every"):
             positive_int(getattr(self, name), name)
         require(self.n_embd % self.n_head == 0, "n_embd",
                 f"must be a multiple of n_head ({self.n_head}); got {self.n_embd}")
@@ -56,6 +54,18 @@ class GPTConfig:
 
 
 @dataclass
+class GPTConfig(GPTShape):
+    """A small character-level GPT: its shape and its vocabulary."""
+
+    vocab_size: int = 65
+    """Distinct tokens (characters): 65 for Tiny Shakespeare."""
+
+    def __post_init__(self):
+        positive_int(self.vocab_size, "vocab_size")
+        super().__post_init__()
+
+
+@dataclass
 class LmDataConfig:
     """The corpus: one UTF-8 text file, split by position into train / validation / test."""
 
@@ -70,37 +80,22 @@ class LmDataConfig:
 
 
 @dataclass
-class LmModelConfig:
-    """The GPT's shape (its vocabulary size is the corpus's); see :class:`GPTConfig`."""
+class LmModelConfig(GPTShape):
+    """The GPT's shape (its vocabulary size is the corpus's) and the stopping policy's width."""
 
-    context: int = 128
-    """The longest sequence the model reads."""
-    n_layer: int = 6
-    """Transformer blocks."""
-    n_head: int = 4
-    """Attention heads per block."""
-    n_embd: int = 128
-    """Width of the hidden state."""
-    dropout: float = 0.0
-    """Dropout while training."""
-    exit_every: int = 1
-    """An exit after every this many blocks, and after the last."""
-    propagation: str = "copy"
-    """copy | learned: how a stopped token's later layers get its keys and values."""
     policy_hidden: int = 16
     """Hidden units of the stopping policy's MLP."""
 
     def __post_init__(self):
         try:
-            self.gpt(1)
+            super().__post_init__()
         except ConfigError as e:
             raise ConfigError(e.reason, f"model.{e.field}") from None
         positive_int(self.policy_hidden, "model.policy_hidden")
 
     def gpt(self, vocab_size: int) -> GPTConfig:
-        return GPTConfig(vocab_size=vocab_size, context=self.context, n_layer=self.n_layer, n_head=self.n_head,
-                         n_embd=self.n_embd, dropout=self.dropout, exit_every=self.exit_every,
-                         propagation=self.propagation)
+        """The GPT's config for a corpus of ``vocab_size`` tokens."""
+        return GPTConfig(vocab_size=vocab_size, **{f.name: getattr(self, f.name) for f in fields(GPTShape)})
 
 
 #: deep supervision's exit weights: equal, or LayerSkip's rising with depth (w_t proportional to t)

@@ -51,7 +51,9 @@ def test_early_exit_with_state_propagation_matches_the_token_by_token_reference(
     for b in range(idx.shape[0]):
         expected, _ = reference_run(gpt, idx[b], layers[b].tolist())
         torch.testing.assert_close(logits[b], expected, rtol=0, atol=1e-10)
-    assert torch.equal(logits[0], gpt(idx[:1])[0])
+    # the row where nothing stops is the full model's (to float64 rounding: beside other rows, its matmuls may
+    # split differently)
+    torch.testing.assert_close(logits[0], gpt(idx[:1])[0], rtol=0, atol=1e-12)
 
 
 def test_state_propagation_is_what_later_tokens_read():
