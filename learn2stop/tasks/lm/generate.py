@@ -117,34 +117,53 @@ def greedy_continuation(prompt: Tensor, max_new_tokens: int, cache, decode) -> G
 def decode_token(view: StepwiseGPT, cache: KVCache, token: Tensor, exit_rule=None) -> tuple[Tensor, Tensor]:
     """Feed token (B,) at position ``cache.length`` with early exits: the (B, V) logits of each row at its exit and
     its (B,) exit step; the rows that stop leave the batch and get their later layers' cache by propagation."""
-    gpt, pos, B = view.gpt, cache.length, token.shape[0]
-    h = gpt.embed(token[:, None], pos)  # (B, 1, C) the rows still running
-    h_prev = h[:, 0]  # (B_active, C) the hidden state at the previous exit (the embedding before the first)
-    rows = None  # None: every row (no gather); else the (B_active,) rows still running
-    logits = h.new_empty(B, gpt.cfg.vocab_size)
-    exit_steps = torch.full((B,), view.num_steps, dtype=torch.long, device=token.device)
-    for t in range(1, view.num_steps + 1):
+    gpt, pos = view.gpt, cache.length
+
+    def run_layers(t: int, h: Tensor, rows: Tensor | None) -> Tensor:
         for layer in view.layers_of(t):
             h, k, v = gpt.blocks[layer - 1].cached(h, *cache.past(layer - 1, rows))
             cache.write(layer - 1, rows, k, v, pos)
-        if t == view.num_steps:  # what still runs stops here
-            logits[slice(None) if rows is None else rows] = gpt.head(h[:, 0])
-            break
-        if exit_rule is None:
+        return h
+
+    def complete(t: int, h: Tensor, stopped: Tensor) -> None:
+        for layer in range(view.exit_layers[t - 1] + 1, gpt.cfg.n_layer + 1):
+            cache.write(layer - 1, stopped, *gpt.propagated_kv(layer, h), pos)
+
+    out = exit_rows(view.num_steps, gpt.embed(token[:, None], pos), run_layers, gpt.head, complete, exit_rule)
+    cache.length = pos + 1
+    return out
+
+
+def exit_rows(num_steps: int, h: Tensor, run_layers, head, complete, exit_rule=None) -> tuple[Tensor, Tensor]:
+    """One decoding position of a batch with per-row early exit, for any decoder: ``h`` (B, 1, C) the rows'
+    embeddings; ``run_layers(t, h, rows)`` runs step t's layers on the rows still going (``rows`` None: all of them;
+    else their (B_active,) indices) and caches their keys and values; ``head`` the exits' readout; ``complete(t, h,
+    stopped)`` fills the later layers' cache of the rows that stop at step t. Returns the (B, V) logits of each row at
+    its exit and its (B,) exit step (``exit_rule(t, logits, h, h_prev)`` None: every row runs to the last step)."""
+    B = h.shape[0]
+    h_prev = h[:, 0]  # (B_active, C) the hidden state at the previous exit (the embedding before the first)
+    rows = None  # None: every row (no gather); else the (B_active,) rows still running
+    logits = None
+    exit_steps = torch.full((B,), num_steps, dtype=torch.long, device=h.device)
+    for t in range(1, num_steps + 1):
+        h = run_layers(t, h, rows)
+        if t < num_steps and exit_rule is None:
             continue
-        out = gpt.head(h[:, 0])  # (B_active, V) the exit's logits
+        out = head(h[:, 0])  # (B_active, V) the exit's logits
+        if logits is None:
+            logits = out.new_empty(B, out.shape[-1])
+        if t == num_steps:  # what still runs stops here
+            logits[slice(None) if rows is None else rows] = out
+            break
         stops = exit_rule(t, out, h[:, 0], h_prev)  # (B_active,) bool
         h_prev = h[:, 0]
         if not bool(stops.any()):
             continue
-        here = torch.arange(B, device=token.device) if rows is None else rows
+        here = torch.arange(B, device=h.device) if rows is None else rows
         stopped = here[stops]
         logits[stopped], exit_steps[stopped] = out[stops], t
-        for layer in range(view.exit_layers[t - 1] + 1, gpt.cfg.n_layer + 1):  # complete their later layers
-            k, v = gpt.propagated_kv(layer, h[stops])
-            cache.write(layer - 1, stopped, k, v, pos)
+        complete(t, h[stops], stopped)
         rows, h, h_prev = here[~stops], h[~stops], h_prev[~stops]
         if rows.numel() == 0:
             break
-    cache.length = pos + 1
     return logits, exit_steps

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .generate import Generation, greedy_continuation
+from .generate import Generation, exit_rows, greedy_continuation
 from .hf import HFStepwise
 
 
@@ -74,39 +74,25 @@ def prefill(view: HFStepwise, cache: HFCache, idx: Tensor) -> Tensor:
 
 def decode_token(view: HFStepwise, cache: HFCache, token: Tensor, exit_rule=None) -> tuple[Tensor, Tensor]:
     """Feed token (B,) at position ``cache.length`` with early exits: the (B, V) logits of each row at its exit and
-    its (B,) exit step; the rows that stop leave the batch and get their later layers' cache by propagation."""
-    lay, p, B = view.layout, cache.length, token.shape[0]
-    h = lay.embed(token[:, None], p)  # (B_active, 1, C) the rows still running
-    h_prev = h[:, 0]  # (B_active, C) the hidden state at the previous exit (the embedding before the first)
+    its (B,) exit step; the rows that stop leave the batch and get their later layers' cache by propagation
+    (:func:`~learn2stop.tasks.lm.generate.exit_rows`)."""
+    lay, p = view.layout, cache.length
     pos = torch.full((1, 1), p, device=token.device)
-    rows = None  # None: every row (no gather); else the (B_active,) rows still running
-    logits = h.new_empty(B, lay.head.out_features)
-    exit_steps = torch.full((B,), view.num_steps, dtype=torch.long, device=token.device)
-    for t in range(1, view.num_steps + 1):
+
+    def run_layers(t: int, h: Tensor, rows: Tensor | None) -> Tensor:
         for layer in view.layers_of(t):
             q, k, v = lay.qkv(layer, h, pos)
             cache.write(layer - 1, rows, k, v, p)
             h = lay.finish(layer, h, lay.attend(layer, q, *cache.past(layer - 1, rows, p + 1), None))
-        if t < view.num_steps and exit_rule is None:
-            continue
-        out = view.head(h[:, 0])  # (B_active, V) the exit's logits
-        if t == view.num_steps:  # what still runs stops here
-            logits[slice(None) if rows is None else rows] = out
-            break
-        stops = exit_rule(t, out, h[:, 0], h_prev)  # (B_active,) bool
-        h_prev = h[:, 0]
-        if not bool(stops.any()):
-            continue
-        here = torch.arange(B, device=token.device) if rows is None else rows
-        stopped = here[stops]
-        logits[stopped], exit_steps[stopped] = out[stops], t
-        for layer in range(view.exit_layers[t - 1] + 1, view.n_layer + 1):  # complete their later layers
-            cache.write(layer - 1, stopped, *view.propagated_kv(layer, h[stops], pos), p)
-        rows, h, h_prev = here[~stops], h[~stops], h_prev[~stops]
-        if rows.numel() == 0:
-            break
+        return h
+
+    def complete(t: int, h: Tensor, stopped: Tensor) -> None:
+        for layer in range(view.exit_layers[t - 1] + 1, view.n_layer + 1):
+            cache.write(layer - 1, stopped, *view.propagated_kv(layer, h, pos), p)
+
+    out = exit_rows(view.num_steps, lay.embed(token[:, None], p), run_layers, view.head, complete, exit_rule)
     cache.length = p + 1
-    return logits, exit_steps
+    return out
 
 
 @torch.no_grad()
