@@ -143,6 +143,8 @@ class OnnxRunner:
     """Runs a core rule on the exported model in ONNX Runtime, exporting on first use (cached per model, rule
     kind and fixed depth), and gives the result as a :class:`~learn2stop.core.loop.Rollout` of tensors."""
 
+    _dir = ""  # the scratch folder of its exports, once made (a runner whose import failed has none)
+
     def __init__(self, threads: int = 1):
         try:
             import onnx  # noqa: F401
@@ -154,7 +156,8 @@ class OnnxRunner:
         self._runtimes: dict[tuple, tuple[Any, Any]] = {}
 
     def __del__(self):
-        shutil.rmtree(getattr(self, "_dir", ""), ignore_errors=True)
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def _runtime(self, model: Any, rule: Any, inputs: Any, spec: dict):
         from .export import ExportError, export_stop_model

@@ -29,6 +29,11 @@ The policy's optional members:
 - ``auxiliary_loss``: ``auxiliary_loss(inputs, target) -> scalar or None``, what a part of the policy learns from the
   targets besides the stop (MAML's posterior-mean estimate), added to its stage's loss; absent: none.
 
+A runner's (:mod:`learn2stop.backends`) optional member:
+
+- ``takes_all``: it takes a whole stream of requests at once (the streaming runner), so a timing's warm-up hands
+  it a short stream rather than one batch; absent: False.
+
 The training task's optional member:
 
 - ``stop_loss_fn``: ``stop_loss_fn(output, target) -> (B,)``, the loss whose oracle Stage II's policy fits and is
@@ -46,11 +51,13 @@ POLICY_MEMBERS: dict[str, Any] = {"min_step": 1, "plan_step": None, "plan_log_q"
                                   "auxiliary_loss": None}
 #: the optional members of a training task (:class:`~learn2stop.core.trainer.TrainingTask`) and their defaults
 TASK_MEMBERS: dict[str, Any] = {"stop_loss_fn": None}
-OPTIONAL_MEMBERS: dict[str, Any] = {**MODEL_MEMBERS, **POLICY_MEMBERS, **TASK_MEMBERS}
+#: the optional members of a runner (a backend's early-exit loop) and their defaults
+RUNNER_MEMBERS: dict[str, Any] = {"takes_all": False}
+OPTIONAL_MEMBERS: dict[str, Any] = {**MODEL_MEMBERS, **POLICY_MEMBERS, **TASK_MEMBERS, **RUNNER_MEMBERS}
 
 
 def member(obj: Any, name: str) -> Any:
-    """The optional member ``name`` of a model, a policy or a training task (:data:`OPTIONAL_MEMBERS`), or what its absence means
+    """The optional member ``name`` of a model, a policy, a training task or a runner (:data:`OPTIONAL_MEMBERS`), or what its absence means
     (also for ``obj`` None: no policy); a name not declared here is a KeyError, so that no reader invents one."""
     default = OPTIONAL_MEMBERS[name]
     return default if obj is None else getattr(obj, name, default)

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 
 from .loop import run_with_early_exit
+from .protocols import member
 from .steps import first_call, take_step
 from .trees import tree_leaves, tree_map
 
@@ -37,7 +38,7 @@ def measure_speed(model: Any, inputs: Any, rule_factory: Callable[[], Any], batc
     leaves = tree_leaves(inputs)
     n = leaves[0].shape[0]
     cuda = leaves[0].is_cuda
-    if getattr(runner, "takes_all", False):  # the warm-up: a short stream
+    if member(runner, "takes_all"):  # the warm-up: a short stream
         runner = functools.partial(runner, max_batch=batch_size)
         chunks, warm = [inputs], tree_map(lambda x: x[:2 * batch_size], inputs)
     else:

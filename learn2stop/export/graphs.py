@@ -284,7 +284,7 @@ def export_stop_model(sm: nn.Module, rule: Any, example_inputs: Any, out_dir: st
         raise ExportError("export needs the 'onnx' package: pip install -e \".[deploy]\"") from None
     out = Path(out_dir)
     check_out_dir(out, "out_dir")
-    model, policy = sm.model, getattr(sm, "policy", None)
+    model, policy = sm.model, sm.policy
     check_stepwise(model)
     check_inputs(example_inputs, "example inputs")
     T = model.num_steps

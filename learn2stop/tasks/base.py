@@ -87,6 +87,10 @@ class RunContext:
     progress: bool = True
     resume: bool = True
     options: CommandOptions = field(default_factory=CommandOptions)
+    #: the runners built from ``options`` (once), the command that prepared the run, and its lock
+    _runners: dict | None = field(default=None, init=False, repr=False)
+    _prepared: str | None = field(default=None, init=False, repr=False)
+    _lock: Any = field(default=None, init=False, repr=False)
 
     @property
     def device(self):
@@ -96,7 +100,7 @@ class RunContext:
     def runners(self) -> dict[str, Callable]:
         """Backend name -> runner, from ``options.backend`` (``torch``, ``compile``, ``onnxruntime``,
         comma-separated for a frontier side by side; see :mod:`learn2stop.backends`). Built once."""
-        if getattr(self, "_runners", None) is None:
+        if self._runners is None:
             import torch
 
             from ..backends import make_runner
@@ -128,7 +132,7 @@ class RunContext:
         from ..utils.rundir import RunDirError, move_aside, prepare_run_dir
         from ..utils.runlock import RunLock
 
-        if getattr(self, "_prepared", None) is not None:
+        if self._prepared is not None:
             return  # a command calling another (reproduce -> train) prepares once
         self.run_dir = Path(self.run_dir)
         training = command in TRAINING_COMMANDS
@@ -175,7 +179,7 @@ class RunContext:
 
     def close(self) -> None:
         """Release the run directory's lock (the OS also releases it when the process ends)."""
-        lock = getattr(self, "_lock", None)
+        lock = self._lock
         if lock is not None:
             lock.release()
             self._lock = None
