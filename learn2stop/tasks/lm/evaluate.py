@@ -5,7 +5,8 @@ side by side (torch.inference_mode, best of ``eval.timing_rounds`` passes, the s
 Rows: the plain GPT at full depth; deep supervision at full depth and with CALM's margin rule (certified); Stage I
 at full depth, with the policy, CALM's margin and saturation rules and the cheapest certified fixed exit (each
 certified); Stage I's oracle exits (a bound: they need the labels); LayerSkip's self-speculative decoding on
-Stage I (batch 1, draft layer the certified fixed exit; its tokens are Stage I's full-depth ones exactly).
+Stage I (batch 1; the draft layer and length that the exits' agreement with full depth on validation says make the
+most tokens per layer run, :func:`~.speculative.plan_draft`; its tokens are Stage I's full-depth ones exactly).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from .config import LmConfig
 from .generate import generate
 from .metric import (calibrate_rule, costs_of, oracle_exits, rule_for, score_split, trace_split, windows)
 from .models import StepwiseGPT
-from .speculative import self_speculative_decode
+from .speculative import plan_draft, self_speculative_decode
 
 
 def _prompts(cfg: LmConfig, ids: torch.Tensor) -> torch.Tensor:
@@ -82,7 +83,10 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
             (f"Stage I + fixed exit {fixed_k}", "stage1", s1, "fixed", float(fixed_step), None)]
     test_trace = trace_split(s1, *test, policy)
     planned = oracle_exits(cfg, s1, test_trace, test[0].shape)
-    val_planned = oracle_exits(cfg, s1, trace_split(s1, *val), val[0].shape)
+    val_trace = trace_split(s1, *val)
+    val_planned = oracle_exits(cfg, s1, val_trace, val[0].shape)
+    agree = {k: float((val_trace.greedy[:, e] == val_trace.greedy[:, -1]).float().mean())
+             for e, k in enumerate(s1.cfg.exit_layers[:-1])}
     prompts = _prompts(cfg, splits.test)
     n_new = cfg.eval.new_tokens
     reference = {k: _generate_all(StepwiseGPT(m), prompts, n_new, None)[0]
@@ -108,14 +112,16 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
                     "threshold": None, "certified": None, "val_loss": v["loss"],
                     **{f"test_{k}": x for k, x in t.items() if k != "exit_layers"},
                     "generation_agreement": None, "generation_mean_layers": None})
-    draft = fixed_k if fixed_k < s1.cfg.n_layer else max(1, s1.cfg.n_layer // 2)
-    log("timing generation and scoring ...")
-    timing = _time_rows(cfg, rows, prompts, test, draft, s1)
-    spec_ok = all(torch.equal(self_speculative_decode(s1, prompts[i:i + 1], n_new, draft).tokens[0, prompts.shape[1]:],
-                              reference["stage1"][i]) for i in range(min(10, prompts.shape[0])))
+    draft, n_draft, gain = plan_draft(agree, s1.cfg.n_layer) if agree else (1, 1, 1.0)
+    spec = f"self-speculative (draft layer {draft}, {n_draft} drafts)"
+    log(f"timing generation and scoring ... ({spec}: {gain:.2f}x greedy's tokens per layer run expected from the "
+        f"exits' agreement on validation)")
+    timing = _time_rows(cfg, rows, prompts, test, spec, lambda p, n: self_speculative_decode(s1, p, n, draft, n_draft))
+    spec_ok = all(torch.equal(self_speculative_decode(s1, prompts[i:i + 1], n_new, draft, n_draft)
+                              .tokens[0, prompts.shape[1]:], reference["stage1"][i]) for i in range(min(10, prompts.shape[0])))
     full_row = next(r for r in results if r["row"] == "Stage I, full depth")
     results.append({**{k: full_row[k] for k in full_row if k.startswith(("test_", "val_"))},
-                    "row": f"self-speculative (draft layer {draft})", "backbone": "stage1", "rule": "speculative",
+                    "row": spec, "backbone": "stage1", "rule": "speculative", "expected_gain": gain,
                     "threshold": None, "certified": None, "test_mean_layers": None,
                     "generation_agreement": 1.0 if spec_ok else 0.0, "generation_mean_layers": None})
     fastest = _deployable(cfg, results, timing, s1.cfg.n_layer)
@@ -149,13 +155,12 @@ def _deployable(cfg: LmConfig, results: list[dict], timing: dict, L: int) -> dic
     return rows[fastest_certified(speeds, costs) or "baseline"]
 
 
-def _time_rows(cfg: LmConfig, rows, prompts, test, draft: int, s1) -> dict:
+def _time_rows(cfg: LmConfig, rows, prompts, test, spec: str, speculative) -> dict:
     """Generation tokens/s at each of ``eval.timing_batches`` and scoring tokens/s, every row in each round."""
     n, rounds = cfg.eval.timing_tokens, cfg.eval.timing_rounds
     batches = {b: prompts[torch.arange(b) % prompts.shape[0]] for b in cfg.eval.timing_batches}
     x = test[0][:16]
     best = {label: {"generate": {b: math.inf for b in batches}, "score": math.inf} for label, *_ in rows}
-    spec = f"self-speculative (draft layer {draft})"
     best[spec] = {"generate": {1: math.inf}, "score": None}
     with torch.inference_mode():
         for _ in range(rounds):
@@ -166,7 +171,7 @@ def _time_rows(cfg: LmConfig, rows, prompts, test, draft: int, s1) -> dict:
                                                      _timed(lambda: generate(view, p, n, rule), 1))
                 best[label]["score"] = min(best[label]["score"], _timed(lambda: score_split(gpt, x, x, rule), 1))
             best[spec]["generate"][1] = min(best[spec]["generate"][1], _timed(
-                lambda: self_speculative_decode(s1, batches[1][:1] if 1 in batches else prompts[:1], n, draft), 1))
+                lambda: speculative(batches[1][:1] if 1 in batches else prompts[:1], n), 1))
     out = {}
     for label, d in best.items():
         out[label] = {"generate": {b: b * n / s for b, s in d["generate"].items()},

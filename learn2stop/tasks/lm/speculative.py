@@ -87,3 +87,25 @@ def _draft(gpt: GPT, cache: KVCache, token: Tensor, n: int, m: int, k: int) -> t
             token = gpt.head(h[:, 0]).argmax(-1)  # (1,)
             drafts.append(token)
     return torch.cat(hidden, 1), torch.cat(drafts) if drafts else token.new_empty(0)
+
+
+def plan_draft(agreement: dict[int, float], n_layer: int, max_draft: int = 8) -> tuple[int, int, float]:
+    """The draft layer k and draft length m that make the most tokens per layer run, from ``agreement``: exit layer
+    k (< ``n_layer``) -> the share of tokens whose exit-k greedy token is the full model's (measured on validation).
+
+    A round runs layers 1..k on the input token and m drafts, then layers k+1..L once on all m + 1 positions (at
+    batch 1 a layer's time hardly depends on the positions it reads), (m + 1) k + L - k layer runs; with each draft
+    accepted with probability a, it yields 1 + a + ... + a^m tokens. Greedy decoding runs L layers a token. Returns
+    (k, m, the expected speed-up over greedy decoding in layer runs)."""
+    if not agreement:
+        raise ValueError("plan_draft needs the agreement of at least one exit before the last layer")
+    best = None
+    for k, a in sorted(agreement.items()):
+        if not 1 <= k < n_layer:
+            raise ValueError(f"plan_draft: exit layer {k} is not before the last layer ({n_layer})")
+        for m in range(1, max_draft + 1):
+            tokens = sum(a ** i for i in range(m + 1))
+            gain = tokens * n_layer / ((m + 1) * k + n_layer - k)
+            if best is None or gain > best[2]:
+                best = (k, m, gain)
+    return best

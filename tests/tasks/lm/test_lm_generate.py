@@ -152,3 +152,21 @@ def test_bad_speculative_settings_are_refused(kwargs, match):
         self_speculative_decode(tiny_gpt(0), torch.zeros(1, 3, dtype=torch.long), 4, **kwargs)
     with pytest.raises(ValueError, match="batch 1"):
         self_speculative_decode(tiny_gpt(0), torch.zeros(2, 3, dtype=torch.long), 4, 2)
+
+
+def test_the_draft_plan_maximises_tokens_per_layer_run():
+    from learn2stop.tasks.lm.speculative import plan_draft
+
+    # exits that always agree: the shallowest, drafting as far as allowed; 9 tokens for 9 + 5 layer runs
+    k, m, gain = plan_draft({1: 1.0, 3: 1.0}, 6, max_draft=8)
+    assert (k, m) == (1, 8) and gain == pytest.approx(9 * 6 / 14)
+    # a shallow exit that rarely agrees loses to a deeper one that mostly does
+    k, m, gain = plan_draft({1: 0.1, 3: 0.95}, 6)
+    tokens = sum(0.95 ** i for i in range(m + 1))
+    assert k == 3 and gain == pytest.approx(tokens * 6 / ((m + 1) * 3 + 3)) and gain > 1.4
+    # no exit agrees: nothing pays; one draft at the first exit costs the least
+    k, m, gain = plan_draft({1: 0.0, 2: 0.0}, 4)
+    assert (k, m) == (1, 1) and gain < 1
+    for bad in ({}, {4: 0.5}):
+        with pytest.raises(ValueError, match="plan_draft"):
+            plan_draft(bad, 4)
