@@ -18,7 +18,7 @@ from .rules import FixedDepth, StopAtTimes
 from .signals import ToleranceRule
 from .model import StoppingModel
 from .planner import PlanMLPPolicy
-from .policies import ExitPolicy, StepMLPPolicy, logit_signals, output_signals
+from .policies import ExitPolicy, StepMLPPolicy, create_policy, list_policies, logit_signals, output_signals
 from .calibration import calibrate_budget
 from .calibration_file import Calibration, load_calibration, save_calibration
 from .inference import InferenceConfig
@@ -55,6 +55,8 @@ __all__ = [
     "StopAtTimes",
     "StoppingModel",
     "ExitPolicy",
+    "create_policy",
+    "list_policies",
     "StepMLPPolicy",
     "PlanMLPPolicy",
     "logit_signals",

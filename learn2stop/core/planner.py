@@ -15,9 +15,10 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from .distributions import stop_logits_from_distribution
-from .policies import MinStep, output_signals
+from .policies import POLICIES, MinStep, output_signals
 
 
+@POLICIES.register("plan_mlp")
 class PlanMLPPolicy(MinStep, nn.Module):
     """q_phi(t | x) for t = 1..T from ``features(inputs, output)`` at step ``plan_step`` (= ``min_step``).
 

@@ -21,7 +21,11 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from ..utils.registry import Registry
 from .trees import tree_leaves
+
+#: the library's ready policies, by name (``create_policy``, ``list_policies``); a user's own policy needs no entry
+POLICIES: Registry[type] = Registry("policy")
 
 
 def _logits_of(output: Any) -> Tensor:
@@ -52,6 +56,7 @@ def output_signals(inputs: Any, output: Any) -> Tensor:
     return torch.stack([out.norm(dim=1).add(1e-6).log(), x.norm(dim=1).add(1e-6).log()], dim=1)
 
 
+@POLICIES.register("step_mlp")
 class StepMLPPolicy(nn.Module):
     """pi_t from ``features(inputs, output)``: an MLP whose first layer has a learned bias per step, so the policy
     reads t (a stop the same features call for at step 2 and at step 9 need not be the same).
@@ -91,6 +96,7 @@ class StepMLPPolicy(nn.Module):
         return self.out(h).squeeze(1)  # (B,) stop logits
 
 
+@POLICIES.register("exit")
 class ExitPolicy(nn.Module):
     """pi_t from IC t's logits.
 
@@ -134,3 +140,15 @@ class MinStep:
 
     def set_extra_state(self, state: dict) -> None:
         self.min_step = int(state["min_step"])
+
+
+def create_policy(name: str, **kwargs: Any) -> nn.Module:
+    """A ready policy by name (:func:`list_policies`), built with ``kwargs``: ``create_policy("exit", num_classes=10,
+    num_steps=T)`` is ``ExitPolicy(num_classes=10, num_steps=T)``."""
+    return POLICIES.get(name)(**kwargs)
+
+
+def list_policies() -> list[str]:
+    """The names of the ready policies: ``step_mlp`` (:class:`StepMLPPolicy`), ``exit`` (:class:`ExitPolicy`),
+    ``plan_mlp`` (:class:`~learn2stop.core.planner.PlanMLPPolicy`)."""
+    return POLICIES.names()
