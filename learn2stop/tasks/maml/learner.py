@@ -52,7 +52,9 @@ class Conv4(nn.Module):
     linear weights and biases; the BatchNorm affine parameters are meta-learned only.
     """
 
-    cpu_batching = "vmap"  # how a meta-batch of tasks runs on CPU tensors (see map_tasks)
+    #: a meta-batch on CPU tensors runs task by task: there a vmapped conv over the tasks is the slower (by 11 % at
+    #: 5-way 1-shot up to 43 % at 20-way 5-shot, first order)
+    cpu_batching = "loop"
 
     def __init__(self, in_channels: int = 1, image_size: int = 28, out_dim: int = 5, hidden: int = 64):
         super().__init__()
