@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .models import GPT, StepwiseGPT
+from .rules import reads_logits
 
 
 class KVCache:
@@ -139,29 +140,38 @@ def exit_rows(num_steps: int, h: Tensor, run_layers, head, complete, exit_rule=N
     embeddings; ``run_layers(t, h, rows)`` runs step t's layers on the rows still going (``rows`` None: all of them;
     else their (B_active,) indices) and caches their keys and values; ``head`` the exits' readout; ``complete(t, h,
     stopped)`` fills the later layers' cache of the rows that stop at step t. Returns the (B, V) logits of each row at
-    its exit and its (B,) exit step (``exit_rule(t, logits, h, h_prev)`` None: every row runs to the last step)."""
+    its exit and its (B,) exit step (``exit_rule(t, logits, h, h_prev)`` None: every row runs to the last step; a
+    rule that does not read the logits, :func:`~.rules.reads_logits`, gets None for them and the head runs only
+    where rows stop)."""
     B = h.shape[0]
     h_prev = h[:, 0]  # (B_active, C) the hidden state at the previous exit (the embedding before the first)
     rows = None  # None: every row (no gather); else the (B_active,) rows still running
     logits = None
     exit_steps = torch.full((B,), num_steps, dtype=torch.long, device=h.device)
-    for t in range(1, num_steps + 1):
-        h = run_layers(t, h, rows)
-        if t < num_steps and exit_rule is None:
-            continue
-        out = head(h[:, 0])  # (B_active, V) the exit's logits
+    every_exit = exit_rule is not None and reads_logits(exit_rule)  # else the head runs where a row stops only
+
+    def keep(where, out: Tensor) -> None:
+        nonlocal logits
         if logits is None:
             logits = out.new_empty(B, out.shape[-1])
+        logits[where] = out
+
+    for t in range(1, num_steps + 1):
+        h = run_layers(t, h, rows)
         if t == num_steps:  # what still runs stops here
-            logits[slice(None) if rows is None else rows] = out
+            keep(slice(None) if rows is None else rows, head(h[:, 0]))
             break
+        if exit_rule is None:
+            continue
+        out = head(h[:, 0]) if every_exit else None  # (B_active, V) the exit's logits
         stops = exit_rule(t, out, h[:, 0], h_prev)  # (B_active,) bool
         h_prev = h[:, 0]
         if not bool(stops.any()):
             continue
         here = torch.arange(B, device=h.device) if rows is None else rows
         stopped = here[stops]
-        logits[stopped], exit_steps[stopped] = out[stops], t
+        keep(stopped, out[stops] if out is not None else head(h[stops, 0]))
+        exit_steps[stopped] = t
         complete(t, h[stops], stopped)
         rows, h, h_prev = here[~stops], h[~stops], h_prev[~stops]
         if rows.numel() == 0:

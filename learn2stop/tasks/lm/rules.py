@@ -12,6 +12,10 @@ h_prev the one at the exit before (the embedding at t = 1). A rule stops a token
 - ``full``: never before the last exit.
 The oracle (each token's best exit given its label) is not a rule of this form: it needs the labels, so it is a
 bound, scored with a known exit per position (:func:`planned_rule`).
+
+A rule may say it does not read the logits (``reads_logits = False``: saturation, fixed, full, planned): generation
+then runs the exit's readout (final norm and LM head) only for the tokens that stop there, not at every exit asked,
+and the rule gets None for them (:func:`reads_logits`; absent: it reads them).
 """
 from __future__ import annotations
 
@@ -46,9 +50,9 @@ def signal_of(name: str, t: int, logits: Tensor, h: Tensor, h_prev: Tensor, poli
             raise ValueError("rule 'policy' needs a trained policy (the run has no Stage II checkpoint?)")
         return torch.sigmoid(policy(policy.features(t, logits, h, h_prev, num_steps)))
     if name == "fixed":
-        return logits.new_full(logits.shape[:-1], float(t))
+        return h.new_full(h.shape[:-1], float(t))
     if name == "full":
-        return logits.new_full(logits.shape[:-1], -math.inf)
+        return h.new_full(h.shape[:-1], -math.inf)
     raise ValueError(f"rule must be one of {', '.join(RULES)}; got {name!r}")
 
 
@@ -62,10 +66,19 @@ def make_rule(name: str, lam: float, policy=None, num_steps: int = 1):
     def rule(t: int, logits: Tensor, h: Tensor, h_prev: Tensor) -> Tensor:
         return signal_of(name, t, logits, h, h_prev, policy, num_steps) >= lam
 
-    rule.name, rule.lam = name, float(lam)
+    rule.name, rule.lam, rule.reads_logits = name, float(lam), name in ("policy", "margin")
     return rule
 
 
 def planned_rule(exits: Tensor):
     """The rule that stops each position at its given 1-based exit, exits (B, T) (the oracle's bound)."""
-    return lambda t, logits, h, h_prev: exits == t
+    def rule(t: int, logits: Tensor | None, h: Tensor, h_prev: Tensor) -> Tensor:
+        return exits == t
+
+    rule.reads_logits = False
+    return rule
+
+
+def reads_logits(rule) -> bool:
+    """Whether an exit rule reads the exit's logits (its ``reads_logits``; a rule that does not say reads them)."""
+    return bool(getattr(rule, "reads_logits", True))

@@ -73,6 +73,38 @@ def test_batch_8_equals_eight_batch_1_generations():
             torch.testing.assert_close(alone.cache.v[layer][0], batched.cache.v[layer][b], rtol=0, atol=1e-10)
 
 
+def test_a_rule_that_reads_no_logits_gets_none_and_the_same_generation(monkeypatch):
+    """Saturation reads hidden states alone: the head then runs only where rows stop, and the tokens, exits and
+    caches are those of the same rule handed the logits."""
+    from learn2stop.tasks.lm import rules
+
+    gpt = tiny_gpt(17, exit_every=1)
+    view, prompt = StepwiseGPT(gpt), prompts(6, 3, seed=18)
+    lean = rules.make_rule("saturation", 0.0)
+    assert not rules.reads_logits(lean) and rules.reads_logits(confidence_rule(0.5))
+    seen = []
+
+    def told(t, logits, h, h_prev):  # the same decisions, from a rule that does not say it skips the logits
+        seen.append(logits is not None)
+        return lean(t, logits, h, h_prev)
+
+    heads, original = [], type(gpt).head
+
+    def counted(self, h):
+        heads.append(h.shape[0])
+        return original(self, h)
+
+    monkeypatch.setattr(type(gpt), "head", counted)
+    a = generate(view, prompt, 6, lean)
+    lean_heads, heads[:] = sum(heads), []
+    b = generate(view, prompt, 6, told)
+    assert all(seen) and lean_heads < sum(heads)  # fewer rows read out
+    assert len(set(a.exit_steps.flatten().tolist())) > 1
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.exit_steps, b.exit_steps)
+    for layer in range(gpt.cfg.n_layer):
+        assert torch.equal(a.cache.k[layer], b.cache.k[layer]) and torch.equal(a.cache.v[layer], b.cache.v[layer])
+
+
 def test_rows_that_stop_at_the_first_exit_cost_no_later_block(monkeypatch):
     """Every row stopping at the first exit: the later blocks never run (their caches are propagation alone)."""
     gpt = tiny_gpt(16)
