@@ -113,8 +113,7 @@ def active_rule(inference: InferenceConfig, calibration: Calibration | None = No
         raise TypeError(f"inference: expected an InferenceConfig (e.g. InferenceConfig(rule='quantile', param=0.5)); "
                         f"got {inference!r}")
     if calibration is not None:
-        cal = calibration
-        desc = f"calibrated {cal.rule} rule ({cal.target}), {cal.rule} parameter {cal.param:.4g}"
-        return cal.make_rule(policy, key), desc
+        c = calibration
+        return c.make_rule(policy, key), f"calibrated {c.rule} rule ({c.target}), {c.rule} parameter {c.param:.4g}"
     desc = "sampled policy" if inference.sampled else f"{inference.rule} rule, parameter {inference.param:g}"
     return inference.make_rule(policy, generator, key), desc

@@ -53,8 +53,7 @@ def _timed(fn, rounds: int) -> float:
     return best
 
 
-def _certify(cfg: LmConfig, gpt, policy, val, rules) -> dict:
-    trace = trace_split(gpt, *val, policy)
+def _certify(cfg: LmConfig, trace, gpt, rules) -> dict:
     c = cfg.calibration
     return {r: calibrate_rule(trace, r, costs_of(gpt), c.risk, c.epsilon, c.delta, c.max_tokens) for r in rules}
 
@@ -66,8 +65,9 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
     val, test = windows(splits.val, ctx), windows(splits.test, ctx)
     base, deep, (s1, policy) = models["baseline"][0], models["deep"][0], models["stage2"]
     log("calibrating on the validation split ...")
-    cal = {"deep": _certify(cfg, deep, None, val, ["margin"]),
-           "stage1": _certify(cfg, s1, policy, val, ["policy", "margin", "saturation", "fixed"])}
+    val_trace = trace_split(s1, *val, policy)  # Stage I's validation trace: calibration, oracle exits, agreement
+    cal = {"deep": _certify(cfg, trace_split(deep, *val), deep, ["margin"]),
+           "stage1": _certify(cfg, val_trace, s1, ["policy", "margin", "saturation", "fixed"])}
     lam = {k: {r: c.threshold for r, c in v.items()} for k, v in cal.items()}
     fixed_step = lam["stage1"]["fixed"]  # a step index; its layer is the exit's
     fixed_step = int(fixed_step) if math.isfinite(fixed_step) else len(s1.cfg.exit_layers)
@@ -83,7 +83,6 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
             (f"Stage I + fixed exit {fixed_k}", "stage1", s1, "fixed", float(fixed_step), None)]
     test_trace = trace_split(s1, *test, policy)
     planned = oracle_exits(cfg, s1, test_trace, test[0].shape)
-    val_trace = trace_split(s1, *val)
     val_planned = oracle_exits(cfg, s1, val_trace, val[0].shape)
     agree = {k: float((val_trace.greedy[:, e] == val_trace.greedy[:, -1]).float().mean())
              for e, k in enumerate(s1.cfg.exit_layers[:-1])}

@@ -93,8 +93,9 @@ def plan_draft(agreement: dict[int, float], n_layer: int, max_draft: int = 8) ->
     """The draft layer k and draft length m that make the most tokens per layer run, from ``agreement``: exit layer
     k (< ``n_layer``) -> the share of tokens whose exit-k greedy token is the full model's (measured on validation).
 
-    A round runs layers 1..k on the input token and m drafts, then layers k+1..L once on all m + 1 positions (at
-    batch 1 a layer's time hardly depends on the positions it reads), (m + 1) k + L - k layer runs; with each draft
+    A round runs layers 1..k on the input token and m drafts, then layers k+1..L once on all m + 1 positions,
+    (m + 1) k + L - k layer runs, counting a layer on m + 1 positions as one run (the model's assumption: at batch
+    1 a small layer's time is mostly per-call overhead); with each draft
     accepted with probability a, it yields 1 + a + ... + a^m tokens. Greedy decoding runs L layers a token. Returns
     (k, m, the expected speed-up over greedy decoding in layer runs)."""
     if not agreement:
