@@ -15,6 +15,10 @@ from ...utils.config_files import preset_config
 #: by a per-layer linear map (initialised to the identity, so it starts as ``copy``)
 PROPAGATIONS = ("copy", "learned")
 
+#: the per-token stopping policies (``tasks/lm/policy.py``): ``hidden`` reads the hidden state alone, ``signals``
+#: the exit's confidence and the state's change
+POLICIES = ("hidden", "signals")
+
 
 @dataclass
 class GPTShape:
@@ -83,15 +87,19 @@ class LmDataConfig:
 class LmModelConfig(GPTShape):
     """The GPT's shape (its vocabulary size is the corpus's) and the stopping policy's width."""
 
+    policy: str = "hidden"
+    """The stopping policy: hidden (reads the hidden state alone) | signals (the exit's confidence and the state's
+    change; needs the exit's readout at every exit asked). See ``tasks/lm/policy.py``."""
     policy_hidden: int = 16
-    """Hidden units of the stopping policy's MLP."""
+    """Hidden units of the stopping policy's MLP (``hidden`` policy: 0 is a linear map per exit)."""
 
     def __post_init__(self):
         try:
             super().__post_init__()
         except ConfigError as e:
             raise ConfigError(e.reason, f"model.{e.field}") from None
-        positive_int(self.policy_hidden, "model.policy_hidden")
+        one_of(self.policy, POLICIES, "model.policy")
+        int_at_least(self.policy_hidden, "model.policy_hidden", 0 if self.policy == "hidden" else 1)
 
     def gpt(self, vocab_size: int) -> GPTConfig:
         """The GPT's config for a corpus of ``vocab_size`` tokens."""

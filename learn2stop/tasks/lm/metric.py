@@ -17,7 +17,6 @@ from torch import Tensor
 
 from ...core.risk_control import calibrate_risk
 from .models import StepwiseGPT, score_with_exits
-from .policy import exit_features
 from .rules import make_rule, saturation, softmax_margin
 from .train import exit_cost_fractions, exit_states, oracle_q
 
@@ -68,7 +67,7 @@ def trace_split(gpt, x: Tensor, y: Tensor, policy=None, batch: int = 32) -> LmTr
             sig["saturation"].append(saturation(h, hp).flatten())
             sig["fixed"].append(torch.full((h.shape[0] * h.shape[1],), float(t)))
             if policy is not None:
-                sig["policy"].append(torch.sigmoid(policy(exit_features(t, logits[t - 1], h, hp, E))).flatten())
+                sig["policy"].append(torch.sigmoid(policy.stop_logits(t, logits[t - 1], h, hp)).flatten())
     n_t = E - 1
     signals = {k: _columns(v, n_t) for k, v in sig.items() if v}
     return LmTrace(torch.cat(losses), torch.cat(greedy), y.flatten(), signals)
@@ -121,7 +120,7 @@ def score_split(gpt, x: Tensor, y: Tensor, rule, batch: int = 32, planned: Tenso
 
 def rule_for(gpt, name: str, lam: float, policy=None):
     """The exit rule ``name`` at threshold ``lam`` for this backbone."""
-    return make_rule(name, lam, policy, len(gpt.cfg.exit_layers))
+    return make_rule(name, lam, policy)
 
 
 def costs_of(gpt) -> Tensor:

@@ -7,13 +7,13 @@ h_prev the one at the exit before (the embedding at t = 1). A rule stops a token
 
 - ``margin``: CALM's softmax response, top-1 minus top-2 probability;
 - ``saturation``: CALM's hidden-state saturation, cos(h, h_prev);
-- ``policy``: the learned policy's stop probability (:class:`~.policy.TokenExitPolicy`);
+- ``policy``: the learned policy's stop probability (:mod:`.policy`);
 - ``fixed``: the step index t itself (a threshold k stops every token at exit k);
 - ``full``: never before the last exit.
 The oracle (each token's best exit given its label) is not a rule of this form: it needs the labels, so it is a
 bound, scored with a known exit per position (:func:`planned_rule`).
 
-A rule may say it does not read the logits (``reads_logits = False``: saturation, fixed, full, planned): generation
+A rule may say it does not read the logits (``reads_logits = False``: saturation, fixed, full, planned, a policy that reads the hidden state alone): generation
 then runs the exit's readout (final norm and LM head) only for the tokens that stop there, not at every exit asked,
 and the rule gets None for them (:func:`reads_logits`; absent: it reads them).
 """
@@ -39,7 +39,7 @@ def saturation(h: Tensor, h_prev: Tensor) -> Tensor:
     return F.cosine_similarity(h.float(), h_prev.float(), dim=-1)
 
 
-def signal_of(name: str, t: int, logits: Tensor, h: Tensor, h_prev: Tensor, policy=None, num_steps: int = 1) -> Tensor:
+def signal_of(name: str, t: int, logits: Tensor, h: Tensor, h_prev: Tensor, policy=None) -> Tensor:
     """The (...,) signal of rule ``name`` at exit t (stop when >= its threshold)."""
     if name == "margin":
         return softmax_margin(logits)
@@ -48,7 +48,7 @@ def signal_of(name: str, t: int, logits: Tensor, h: Tensor, h_prev: Tensor, poli
     if name == "policy":
         if policy is None:
             raise ValueError("rule 'policy' needs a trained policy (the run has no Stage II checkpoint?)")
-        return torch.sigmoid(policy(policy.features(t, logits, h, h_prev, num_steps)))
+        return torch.sigmoid(policy.stop_logits(t, logits, h, h_prev))
     if name == "fixed":
         return h.new_full(h.shape[:-1], float(t))
     if name == "full":
@@ -56,17 +56,20 @@ def signal_of(name: str, t: int, logits: Tensor, h: Tensor, h_prev: Tensor, poli
     raise ValueError(f"rule must be one of {', '.join(RULES)}; got {name!r}")
 
 
-def make_rule(name: str, lam: float, policy=None, num_steps: int = 1):
+def make_rule(name: str, lam: float, policy=None):
     """The exit rule ``name`` at threshold ``lam`` (inf: full depth): ``rule(t, logits, h, h_prev) -> bool mask``."""
     if name not in RULES:
         raise ValueError(f"rule must be one of {', '.join(RULES)}; got {name!r}")
     if not isinstance(lam, (int, float)) or math.isnan(lam):
         raise ValueError(f"rule {name!r}: the threshold must be a number; got {lam!r}")
+    if name == "policy" and policy is None:
+        raise ValueError("rule 'policy' needs a trained policy (the run has no Stage II checkpoint?)")
 
     def rule(t: int, logits: Tensor, h: Tensor, h_prev: Tensor) -> Tensor:
-        return signal_of(name, t, logits, h, h_prev, policy, num_steps) >= lam
+        return signal_of(name, t, logits, h, h_prev, policy) >= lam
 
-    rule.name, rule.lam, rule.reads_logits = name, float(lam), name in ("policy", "margin")
+    rule.name, rule.lam = name, float(lam)
+    rule.reads_logits = name == "margin" or (name == "policy" and policy.reads_logits)
     return rule
 
 

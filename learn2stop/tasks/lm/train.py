@@ -5,8 +5,9 @@ row each, T exits): the baseline trains the last column, deep supervision a weig
 sum_t q*(t) CE_t with the oracle q*(t) proportional to exp(-(CE_t + price c_t) / beta) held fixed (the core's
 :func:`~learn2stop.core.distributions.oracle_distribution` under :func:`~learn2stop.core.distributions.log_cost_prior`,
 c_t = layers / L), and Stage II the policy's stop-time distribution fitted to q* by forward KL with the backbone
-frozen (:func:`~learn2stop.core.losses.stage2_forward_kl`). Deep supervision and Stage I start from the baseline's
-weights. Each stage's result is one atomic checkpoint; a finished stage is loaded, not run again.
+frozen (:func:`~learn2stop.core.losses.stage2_forward_kl`). Deep supervision starts from the baseline's weights,
+Stage I from deep supervision's (:data:`STARTS_FROM`). Each stage's result is one atomic checkpoint; a finished
+stage is loaded, not run again.
 """
 from __future__ import annotations
 
@@ -25,9 +26,14 @@ from ...utils.checkpoint import load_checkpoint, save_checkpoint
 from .config import LmConfig, LmStageConfig
 from .data import sample_windows
 from .models import GPT
-from .policy import TokenExitPolicy, exit_features
+from .policy import make_policy, policy_stop_logits
 
 STAGES = ("baseline", "deep", "stage1", "stage2")
+
+#: the backbone each fine-tuning stage starts from. Stage I starts from deep supervision's weights: the plain GPT's
+#: early exits are untrained (several nats worse than its last), so from them q* puts all its mass on the last
+#: exit and Stage I never trains the others
+STARTS_FROM = {"deep": "baseline", "stage1": "deep"}
 
 
 def exit_states(gpt: GPT, x: Tensor) -> list[Tensor]:
@@ -116,20 +122,29 @@ def fit(params, loss_fn, s: LmStageConfig, draw, log, name: str, every: int = 10
     return history
 
 
-def policy_batch(cfg: LmConfig, gpt: GPT, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-    """The frozen backbone's policy features (N, E - 1, 6) and per-exit losses (N, E) of a batch, N = tokens."""
+def policy_batch(gpt: GPT, x: Tensor, y: Tensor, reads_logits: bool) -> tuple[list[Tensor], list[Tensor] | None, Tensor]:
+    """What Stage II reads of the frozen backbone on a batch, one row per token (N = batch x context): the states
+    [embedding, exit 1, .., exit E] (N, C) each, the exits' logits (N, V) each when the policy reads them, and the
+    per-exit losses (N, E)."""
     with torch.no_grad():
-        states = exit_states(gpt, x)
-        losses = per_exit_losses(gpt, x, y, states)
-        E = len(states) - 1
-        feats = [exit_features(t, gpt.head(states[t]), states[t], states[t - 1], E) for t in range(1, E)]
-    return torch.stack(feats, 2).flatten(0, 1), losses
+        states = [h.flatten(0, 1) for h in exit_states(gpt, x)]
+        logits = [gpt.head(h) for h in states[1:]]
+        E = len(logits)
+        ce = F.cross_entropy(torch.stack(logits, 1).flatten(0, 1), y.flatten()[:, None].expand(-1, E).flatten(),
+                             reduction="none")
+    return states, logits if reads_logits else None, ce.view(-1, E)
 
 
-def stage2_loss(cfg: LmConfig, gpt: GPT, policy: TokenExitPolicy, feats: Tensor, losses: Tensor) -> Tensor:
+def stage2_loss(cfg: LmConfig, gpt: GPT, policy, states: list[Tensor], logits: list[Tensor] | None,
+                losses: Tensor) -> Tensor:
     """Forward KL(q* || q_phi) per token, averaged: the policy's (N, E - 1) stop logits against q*."""
     prior = log_cost_prior(exit_cost_fractions(gpt), cfg.method.price, cfg.method.beta)
-    return stage2_forward_kl(policy(feats), losses, cfg.method.beta, prior)
+    return stage2_forward_kl(policy_stop_logits(policy, states, logits), losses, cfg.method.beta, prior)
+
+
+def new_policy(cfg: LmConfig, gpt: GPT):
+    """The run's untrained stopping policy for backbone ``gpt``."""
+    return make_policy(cfg.model.policy, gpt.cfg.n_embd, len(gpt.cfg.exit_layers), cfg.model.policy_hidden)
 
 
 def checkpoint_path(run_dir: Path, stage: str) -> Path:
@@ -158,13 +173,13 @@ def train_stages(cfg: LmConfig, run_dir: Path, train_ids: Tensor, vocab_size: in
         t0 = time.perf_counter()
         if stage == "stage2":
             gpt = models["stage1"][0]
-            policy = TokenExitPolicy(cfg.model.policy_hidden)
-            policy.fit_scale(policy_batch(cfg, gpt, *draw())[0])
-            history = fit(policy.parameters(), lambda x, y: stage2_loss(cfg, gpt, policy, *policy_batch(cfg, gpt, x, y)),
-                          s, draw, log, stage)
+            policy = new_policy(cfg, gpt)
+            policy.fit_scale(*policy_batch(gpt, *draw(), True)[:2])
+            history = fit(policy.parameters(), lambda x, y: stage2_loss(
+                cfg, gpt, policy, *policy_batch(gpt, x, y, policy.reads_logits)), s, draw, log, stage)
             models[stage] = (gpt, policy)
         else:
-            gpt = copy.deepcopy(models["baseline"][0]) if stage != "baseline" else GPT(gcfg)
+            gpt = copy.deepcopy(models[STARTS_FROM[stage]][0]) if stage in STARTS_FROM else GPT(gcfg)
             gpt.train()
             history = fit(gpt.parameters(), lambda x, y: backbone_loss(stage, cfg, gpt, x, y), s, draw, log, stage)
             gpt.eval()
@@ -186,7 +201,7 @@ def _drawer(ids: Tensor, batch: int, context: int, gen: torch.Generator):
 def _restore(stage: str, ck: dict, gcfg, cfg: LmConfig, models: dict):
     """A finished stage's (gpt, policy) from its checkpoint (Stage II's backbone is Stage I's, loaded before it)."""
     if stage == "stage2":
-        policy = TokenExitPolicy(cfg.model.policy_hidden)
+        policy = new_policy(cfg, models["stage1"][0])
         policy.load_state_dict(ck["policy"])
         return models["stage1"][0], policy.eval()
     gpt = GPT(gcfg)

@@ -2,15 +2,17 @@
 training run that lowers the loss, and Learn-then-Test certifying a rule that keeps its risk on held-out tokens."""
 from __future__ import annotations
 
+import pytest
 import torch
 from lm_reference import tiny_gpt
 
 from learn2stop.tasks.lm.config import preset
 from learn2stop.tasks.lm.data import CharVocab
 from learn2stop.tasks.lm.metric import LmTrace, calibrate_rule, score_split, trace_split, windows
-from learn2stop.tasks.lm.policy import TokenExitPolicy
-from learn2stop.tasks.lm.train import (exit_cost_fractions, oracle_q, per_exit_losses, policy_batch, stage2_loss,
-                                       train_stages)
+from learn2stop.tasks.lm.config import POLICIES
+from learn2stop.tasks.lm.policy import TokenExitPolicy, policy_stop_logits
+from learn2stop.tasks.lm.train import (exit_cost_fractions, new_policy, oracle_q, per_exit_losses, policy_batch,
+                                       stage2_loss, train_stages)
 
 
 def markov_text(n: int, seed: int = 0) -> str:
@@ -38,25 +40,47 @@ def test_oracle_is_the_softmax_of_priced_losses_and_sums_to_one():
     assert not q.requires_grad or q.grad_fn is None  # held fixed in Stage I
 
 
-def test_stage2_loss_is_a_kl_that_fitting_lowers():
-    cfg = preset("tiny")
+@pytest.mark.parametrize("kind, hidden", [(k, 8) for k in POLICIES] + [("hidden", 0)])
+def test_stage2_loss_is_a_kl_that_fitting_lowers(kind, hidden):
+    cfg = preset("tiny", model={"policy": kind, "policy_hidden": hidden})
     gpt = tiny_gpt(1, n_layer=3).float()
     x = torch.randint(13, (4, 12), generator=torch.Generator().manual_seed(1))
-    feats, losses = policy_batch(cfg, gpt, x, torch.roll(x, -1, 1))
-    assert feats.shape == (48, 2, 6) and losses.shape == (48, 3)
+    policy = new_policy(cfg, gpt)
+    states, logits, losses = policy_batch(gpt, x, torch.roll(x, -1, 1), policy.reads_logits)
+    assert len(states) == 4 and states[0].shape == (48, 16) and losses.shape == (48, 3)
+    assert (logits is None) == (kind == "hidden")
     torch.manual_seed(0)
-    policy = TokenExitPolicy(8)
-    policy.fit_scale(feats)
+    policy.fit_scale(*policy_batch(gpt, x, torch.roll(x, -1, 1), True)[:2])
     opt = torch.optim.Adam(policy.parameters(), lr=0.05)
-    first = float(stage2_loss(cfg, gpt, policy, feats, losses).detach())
+    first = float(stage2_loss(cfg, gpt, policy, states, logits, losses).detach())
     for _ in range(60):
-        loss = stage2_loss(cfg, gpt, policy, feats, losses)
+        loss = stage2_loss(cfg, gpt, policy, states, logits, losses)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    last = float(stage2_loss(cfg, gpt, policy, feats, losses).detach())
+    last = float(stage2_loss(cfg, gpt, policy, states, logits, losses).detach())
     assert first >= 0 and 0 <= last < first
     assert policy.flops(65, 128) < 0.05 * 24 * 128 ** 2  # under 5 % of a block's projections
+
+
+def test_a_policy_asked_at_one_exit_gives_that_exits_column_of_the_batch():
+    gpt = tiny_gpt(4, n_layer=4).float()
+    x = torch.randint(13, (2, 9), generator=torch.Generator().manual_seed(4))
+    for kind, hidden in [(k, 8) for k in POLICIES] + [("hidden", 0)]:
+        policy = new_policy(preset("tiny", model={"policy": kind, "policy_hidden": hidden}), gpt)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.normal_(0, 0.5)
+        states, logits, _ = policy_batch(gpt, x, x, True)
+        cols = policy_stop_logits(policy, states, logits)  # (18, 3)
+        assert cols.shape == (18, 3)
+        for t in (1, 3):
+            alone = policy.stop_logits(t, logits[t - 1][5:6], states[t][5:6], states[t - 1][5:6])
+            assert torch.allclose(alone, cols[5:6, t - 1], atol=1e-6)
+        h = states[2]  # the hidden-state policy reads the normalised state: blind to its scale and offset
+        if kind == "hidden":
+            assert torch.allclose(policy.stop_logits(2, None, h, None), policy.stop_logits(2, None, 3 * h + 1, None),
+                                  atol=1e-4)
 
 
 def test_a_short_training_lowers_the_loss_and_resumes(tmp_path):
@@ -76,8 +100,8 @@ def test_a_short_training_lowers_the_loss_and_resumes(tmp_path):
     lines = []
     again = train_stages(cfg, tmp_path / "run", ids[:5000], len(vocab), log=lines.append)
     assert all("loaded" in m for m in lines) and len(lines) == 4
-    w = out["models"]["stage2"][1].net[0].weight
-    assert torch.equal(again["models"]["stage2"][1].net[0].weight, w)
+    w = out["models"]["stage2"][1].first.weight
+    assert torch.equal(again["models"]["stage2"][1].first.weight, w)
 
 
 def test_calibration_certifies_and_keeps_the_risk_on_held_out_tokens():
@@ -103,7 +127,7 @@ def test_calibration_certifies_and_keeps_the_risk_on_held_out_tokens():
 def test_the_trace_of_a_model_has_every_signal_per_token():
     gpt = tiny_gpt(2, n_layer=3).float()
     x = torch.randint(13, (3, 10), generator=torch.Generator().manual_seed(2))
-    policy = TokenExitPolicy(4)
+    policy = TokenExitPolicy(3, 4)
     tr = trace_split(gpt, x, torch.roll(x, -1, 1), policy, batch=2)
     assert tr.losses.shape == (30, 3) and set(tr.signals) == {"policy", "margin", "saturation", "fixed"}
     assert all(v.shape == (30, 2) for v in tr.signals.values())
