@@ -66,7 +66,10 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
     base, deep, (s1, policy) = models["baseline"][0], models["deep"][0], models["stage2"]
     log("calibrating on the validation split ...")
     val_trace = trace_split(s1, *val, policy)  # Stage I's validation trace: calibration, oracle exits, agreement
-    cal = {"deep": _certify(cfg, trace_split(deep, *val), deep, ["margin"]),
+    deep_trace = trace_split(deep, *val)
+    exit_losses = {"GPT": trace_split(base, *val).losses.mean(0).tolist(),
+                   "deep supervision": deep_trace.losses.mean(0).tolist(), "Stage I": val_trace.losses.mean(0).tolist()}
+    cal = {"deep": _certify(cfg, deep_trace, deep, ["margin"]),
            "stage1": _certify(cfg, val_trace, s1, ["policy", "margin", "saturation", "fixed"])}
     lam = {k: {r: c.threshold for r, c in v.items()} for k, v in cal.items()}
     fixed_step = lam["stage1"]["fixed"]  # a step index; its layer is the exit's
@@ -132,7 +135,7 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
                 "calibration": {k: {r: c.to_dict() for r, c in v.items()} for k, v in cal.items()}}
     write_json(deployed, run_dir / "deployed.json")
     h2h = _head_to_head(cfg, test_trace, costs_of(s1)) if cfg.eval.head_to_head else None
-    out = {"results": results, "timing": timing, "deployed": deployed, "head_to_head": h2h,
+    out = {"results": results, "timing": timing, "deployed": deployed, "head_to_head": h2h, "exit_losses": exit_losses,
            "prompts": int(prompts.shape[0]), "new_tokens": n_new, "test_tokens": int(test[0].numel()),
            "val_tokens": int(val[0].numel())}
     write_reports(cfg, run_dir, out, test_trace, s1)

@@ -85,6 +85,12 @@ def in_time_record(cfg, out: dict, L: int) -> dict:
             "fastest": fastest, "rows": rows}
 
 
+def exits_table(exit_losses: dict[str, list[float]], layers: list[int]) -> str:
+    """Each backbone's mean validation loss at every exit (every token read out there, the context at full depth)."""
+    headers = ["backbone"] + [f"exit {k}" for k in layers]
+    return markdown_table(headers, [[name] + [_f(x) for x in losses] for name, losses in exit_losses.items()])
+
+
 def head_to_head_table(h2h: list[dict]) -> str:
     headers = ["budget (share of layers)", "against", "policy loss", "rule loss", "policy - rule", "95 % interval"]
     rows = [[f"{100 * r['budget']:.0f} %", r["against"], _f(r["policy_loss"], 4), _f(r["rule_loss"], 4),
@@ -111,6 +117,9 @@ def write_reports(cfg, run_dir: Path, out: dict, trace, gpt) -> None:
     write_text_atomic(run_dir / "results.md", "# Early-exit language model: test split\n\n"
                       + results_table(out, L) + note)
     write_json(out["results"], run_dir / "results.json")
+    write_text_atomic(run_dir / "exits.md", "# Validation loss (nats/char) at every exit\n\n"
+                      + exits_table(out["exit_losses"], gpt.cfg.exit_layers) + "\n")
+    write_json(out["exit_losses"], run_dir / "exits.json")
     write_text_atomic(run_dir / "in_time.md", "# Tokens per second (best of "
                       f"{cfg.eval.timing_rounds}, torch.inference_mode)\n\n" + in_time_table(out) + "\n")
     write_json(in_time_record(cfg, out, L), run_dir / "in_time.json")

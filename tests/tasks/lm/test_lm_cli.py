@@ -30,9 +30,13 @@ def trained(tmp_path_factory):
 def test_train_and_evaluate_write_the_tables(trained):
     run_dir, _ = trained
     for name in ("results.md", "results.json", "in_time.md", "in_time.json", "frontier.png", "deployed.json",
-                 "head_to_head.md", "training.json", "vocab.json"):
+                 "head_to_head.md", "training.json", "vocab.json", "exits.md"):
         assert (run_dir / name).is_file(), name
+    exits = json.loads((run_dir / "exits.json").read_text())
+    assert list(exits) == ["GPT", "deep supervision", "Stage I"] and all(len(v) == 3 for v in exits.values())
     results = json.loads((run_dir / "results.json").read_text())
+    rows = {r["row"]: r for r in results}
+    assert abs(exits["GPT"][-1] - rows["full depth (GPT)"]["val_loss"]) < 1e-4  # the last exit is full depth
     rows = {r["row"]: r for r in results}
     assert rows["full depth (GPT)"]["test_mean_layers"] == 3.0
     assert rows["Stage I, full depth"]["generation_agreement"] == 1.0
