@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .models import GPT, StepwiseGPT
@@ -17,13 +18,13 @@ from .rules import reads_logits
 
 
 class KVCache:
-    """Per layer keys and values of the first ``length`` positions: ``k[l]``, ``v[l]`` (B, H, context, d)."""
+    """Per layer keys and values of the first ``length`` positions: ``k[l]``, ``v[l]`` (B, H, context, d) of
+    ``k``, ``v`` (L, B, H, context, d)."""
 
     def __init__(self, gpt: GPT, batch: int, like: Tensor):
         cfg = gpt.cfg
-        shape = (batch, cfg.n_head, cfg.context, cfg.n_embd // cfg.n_head)
-        self.k = [like.new_zeros(shape) for _ in range(cfg.n_layer)]
-        self.v = [like.new_zeros(shape) for _ in range(cfg.n_layer)]
+        shape = (cfg.n_layer, batch, cfg.n_head, cfg.context, cfg.n_embd // cfg.n_head)
+        self.k, self.v = like.new_zeros(shape), like.new_zeros(shape)
         self.length = 0
 
     def past(self, layer: int, rows: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -38,6 +39,10 @@ class KVCache:
             self.k[layer][:, :, start:end], self.v[layer][:, :, start:end] = k, v
         else:
             self.k[layer][rows, :, start:end], self.v[layer][rows, :, start:end] = k, v
+
+    def write_from(self, layer: int, rows: Tensor, k: Tensor, v: Tensor, pos: int) -> None:
+        """Store (L - layer, B_rows, H, d) keys and values of 0-based layers ``layer``..L-1 at position ``pos``."""
+        self.k[layer:, :, :, pos][:, rows], self.v[layer:, :, :, pos][:, rows] = k, v
 
 
 def check_prompt(gpt: GPT, prompt: Tensor, max_new_tokens: int) -> None:
@@ -99,7 +104,9 @@ def generate(view: StepwiseGPT, prompt: Tensor, max_new_tokens: int, exit_rule=N
     cache = KVCache(gpt, B, gpt.wte.weight)
     if prompt.shape[1] > 1:
         prefill(gpt, cache, prompt[:, :-1])
-    return greedy_continuation(prompt, max_new_tokens, cache, lambda token: decode_token(view, cache, token, exit_rule))
+    folded = folded_propagations(view) if exit_rule is not None else None
+    return greedy_continuation(prompt, max_new_tokens, cache,
+                               lambda token: decode_token(view, cache, token, exit_rule, folded))
 
 
 def greedy_continuation(prompt: Tensor, max_new_tokens: int, cache, decode) -> Generation:
@@ -115,9 +122,16 @@ def greedy_continuation(prompt: Tensor, max_new_tokens: int, cache, decode) -> G
     return Generation(torch.cat([prompt, torch.stack(new, 1)], 1), torch.stack(exits, 1), cache)
 
 
-def decode_token(view: StepwiseGPT, cache: KVCache, token: Tensor, exit_rule=None) -> tuple[Tensor, Tensor]:
+def folded_propagations(view: StepwiseGPT) -> dict[int, tuple[Tensor, Tensor] | None]:
+    """For every layer a stopped token can skip first, :meth:`GPT.folded_propagation` of the layers from it on."""
+    return {k + 1: view.gpt.folded_propagation(k + 1) for k in view.exit_layers[:-1]}
+
+
+def decode_token(view: StepwiseGPT, cache: KVCache, token: Tensor, exit_rule=None,
+                 folded: dict | None = None) -> tuple[Tensor, Tensor]:
     """Feed token (B,) at position ``cache.length`` with early exits: the (B, V) logits of each row at its exit and
-    its (B,) exit step; the rows that stop leave the batch and get their later layers' cache by propagation."""
+    its (B,) exit step; the rows that stop leave the batch and get their later layers' cache by propagation (in one
+    product per stop with ``folded``, :func:`folded_propagations`; else layer by layer)."""
     gpt, pos = view.gpt, cache.length
 
     def run_layers(t: int, h: Tensor, rows: Tensor | None) -> Tensor:
@@ -127,8 +141,16 @@ def decode_token(view: StepwiseGPT, cache: KVCache, token: Tensor, exit_rule=Non
         return h
 
     def complete(t: int, h: Tensor, stopped: Tensor) -> None:
-        for layer in range(view.exit_layers[t - 1] + 1, gpt.cfg.n_layer + 1):
-            cache.write(layer - 1, stopped, *gpt.propagated_kv(layer, h), pos)
+        first = view.exit_layers[t - 1] + 1  # the first layer the stopped rows skip
+        if folded is None or folded[first] is None:
+            for layer in range(first, gpt.cfg.n_layer + 1):
+                cache.write(layer - 1, stopped, *gpt.propagated_kv(layer, h), pos)
+            return
+        w, b = folded[first]  # every skipped layer's keys and values in one product
+        H = gpt.cfg.n_head
+        kv = F.linear(F.layer_norm(h[:, 0], h.shape[-1:], eps=gpt.blocks[0].ln_1.eps), w, b)  # (n, 2C (L - first + 1))
+        kv = kv.view(h.shape[0], -1, 2, H, h.shape[-1] // H).transpose(0, 1)  # (L - first + 1, n, 2, H, d)
+        cache.write_from(first - 1, stopped, kv[:, :, 0], kv[:, :, 1], pos)
 
     out = exit_rows(view.num_steps, gpt.embed(token[:, None], pos), run_layers, gpt.head, complete, exit_rule)
     cache.length = pos + 1

@@ -141,6 +141,20 @@ class GPT(nn.Module):
         block = self.blocks[layer - 1]
         return block.attn.kv(block.ln_1(h))
 
+    def folded_propagation(self, first: int) -> tuple[Tensor, Tensor] | None:
+        """:meth:`propagated_kv` of every layer ``first``..L in one map of the normalised state: W (2C (L - first + 1),
+        C) and b, with each layer's LayerNorm affine folded into its key/value projection (LN_l(h) = g_l n(h) + b_l,
+        n(h) the plain normalisation), so that a token stopping before ``first`` gets all its later keys and values
+        from one matrix product. None with ``propagation="learned"`` (its maps come before the norm)."""
+        if self.propagate_maps is not None:
+            return None
+        C, ws, bs = self.cfg.n_embd, [], []
+        for block in self.blocks[first - 1:]:
+            w, b = block.attn.c_attn.weight[C:], block.attn.c_attn.bias[C:]  # (2C, C), (2C,): keys then values
+            ws.append(w * block.ln_1.weight)
+            bs.append(w @ block.ln_1.bias + b)
+        return torch.cat(ws), torch.cat(bs)
+
     def forward(self, idx: Tensor) -> Tensor:
         """Full-depth logits of every position of idx (B, T): (B, T, V)."""
         h = self.embed(idx)
