@@ -123,7 +123,8 @@ def build_parser(task_name: str, command: str, preset: str | None = None) -> arg
                      formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=40),
                      allow_abbrev=False)  # a prefix of one field's flag would silently stop working once another shares it
     parser.add_argument("--preset", default=spec.default_preset, metavar="P",
-                        help=f"the settings to start from: {', '.join(spec.presets)} (default {spec.default_preset})")
+                        help=f"the settings to start from: {', '.join(spec.presets)} (default {spec.default_preset}; a reading "
+                             "command given --run-dir starts from the run's own config.yaml)")
     parser.add_argument("--config", default=None, metavar="F.yaml",
                         help="YAML file of config fields, applied over the preset (flags apply over it)")
     parser.add_argument("--run-dir", default=None, metavar="DIR", help=f"output folder (default runs/{task_name}-<preset>)")
@@ -182,6 +183,20 @@ def _preset_asked(args: list[str]) -> str | None:
         if a == "--preset" and i + 1 < len(args):
             return args[i + 1]
     return None
+
+
+def _trained_config(run_dir: Path, task_name: str) -> str | None:
+    """The config.yaml a run of this task was trained with (None: none, or a run of another task or run format,
+    which the run directory's own checks then refuse by name)."""
+    from .utils.fingerprint import fingerprint_task
+    from .utils.rundir import RunDirError
+
+    try:
+        ours = fingerprint_task(run_dir) == task_name
+    except (RunDirError, OSError):
+        return None
+    trained = run_dir / "config.yaml"
+    return str(trained) if ours and trained.is_file() else None
 
 
 def _resolve(spec, args: argparse.Namespace):
@@ -291,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"learn2stop {task_name}", what, f"learn2stop {task_name} --help lists its commands")
     parser = build_parser(task_name, command, _preset_asked(argv[2:]))
     args = parser.parse_args(argv[2:])
+    if command not in TRAINING_COMMANDS and args.run_dir and args.config is None and _preset_asked(argv[2:]) is None:
+        args.config = _trained_config(Path(args.run_dir), task_name)
     try:
         if args.preset not in spec.presets:
             guess = _did_you_mean(args.preset, spec.presets)
