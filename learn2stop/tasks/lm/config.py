@@ -140,13 +140,15 @@ class LmStageConfig:
 class LmMethodConfig:
     """The oracle over exits per token: q*(t) proportional to exp(-(CE_t + price * c_t) / beta), c_t = layers / L."""
 
-    beta: float = 0.1
-    """Temperature of the oracle (nats)."""
+    beta: float = 1.0
+    """Temperature of the oracle (nats). At 0.1 q* puts each token on one exit, and Stage I makes the early exits
+    specialists: good on the tokens it sends there, several nats worse than deep supervision's on the others, so that
+    any rule's mistake is costly; at 1 every exit keeps learning from every token."""
     price: float = 0.3
     """Price of the full depth in nats: a token may trade this much loss for skipping every layer."""
-    full_depth_weight: float = 0.5
-    """Stage I adds this times the last exit's CE: without it q* can leave the later layers untrained, and full depth
-    collapses (seen at price 0.3, beta 0.1: validation loss 5.4 nats/char at full depth)."""
+    full_depth_weight: float = 1.0
+    """Stage I adds this times the last exit's CE, so that its full depth keeps the plain GPT's quality (without it
+    q* can leave the later layers untrained, and full depth collapses)."""
     deep_weights: str = "uniform"
     """Deep supervision's exit weights: uniform | increasing (LayerSkip-style, w_t proportional to t)."""
 
