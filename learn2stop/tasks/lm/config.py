@@ -169,6 +169,9 @@ class LmCalibrationConfig:
     risk: str = "loss"
     """loss (the token's cross-entropy increase over full depth, nats) | agreement (1 - agreement with the full
     model's greedy token)."""
+    reference: str = "gpt"
+    """Whose full depth the risk is over: gpt (the plain GPT's, what the deployed model must keep) | own (each
+    backbone's own)."""
     epsilon: float = 0.01
     """The allowed mean risk."""
     delta: float = 0.1
@@ -178,6 +181,7 @@ class LmCalibrationConfig:
 
     def __post_init__(self):
         one_of(self.risk, RISKS, "calibration.risk")
+        one_of(self.reference, ("gpt", "own"), "calibration.reference")
         positive(self.epsilon, "calibration.epsilon")
         in_open_unit(self.delta, "calibration.delta")
         int_at_least(self.max_tokens, "calibration.max_tokens", 0)

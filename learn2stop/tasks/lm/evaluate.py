@@ -53,9 +53,10 @@ def _timed(fn, rounds: int) -> float:
     return best
 
 
-def _certify(cfg: LmConfig, trace, gpt, rules) -> dict:
+def _certify(cfg: LmConfig, trace, gpt, rules, gpt_trace) -> dict:
     c = cfg.calibration
-    return {r: calibrate_rule(trace, r, costs_of(gpt), c.risk, c.epsilon, c.delta, c.max_tokens) for r in rules}
+    ref = gpt_trace if c.reference == "gpt" else None
+    return {r: calibrate_rule(trace, r, costs_of(gpt), c.risk, c.epsilon, c.delta, c.max_tokens, ref) for r in rules}
 
 
 def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
@@ -66,11 +67,11 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
     base, deep, (s1, policy) = models["baseline"][0], models["deep"][0], models["stage2"]
     log("calibrating on the validation split ...")
     val_trace = trace_split(s1, *val, policy)  # Stage I's validation trace: calibration, oracle exits, agreement
-    deep_trace = trace_split(deep, *val)
-    exit_losses = {"GPT": trace_split(base, *val).losses.mean(0).tolist(),
-                   "deep supervision": deep_trace.losses.mean(0).tolist(), "Stage I": val_trace.losses.mean(0).tolist()}
-    cal = {"deep": _certify(cfg, deep_trace, deep, ["margin"]),
-           "stage1": _certify(cfg, val_trace, s1, ["policy", "margin", "saturation", "fixed"])}
+    deep_trace, gpt_trace = trace_split(deep, *val), trace_split(base, *val)
+    exit_losses = {"GPT": gpt_trace.losses.mean(0).tolist(), "deep supervision": deep_trace.losses.mean(0).tolist(),
+                   "Stage I": val_trace.losses.mean(0).tolist()}
+    cal = {"deep": _certify(cfg, deep_trace, deep, ["margin"], gpt_trace),
+           "stage1": _certify(cfg, val_trace, s1, ["policy", "margin", "saturation", "fixed"], gpt_trace)}
     lam = {k: {r: c.threshold for r, c in v.items()} for k, v in cal.items()}
     fixed_step = lam["stage1"]["fixed"]  # a step index; its layer is the exit's
     fixed_step = int(fixed_step) if math.isfinite(fixed_step) else len(s1.cfg.exit_layers)

@@ -42,11 +42,15 @@ class LmTrace:
     targets: Tensor
     signals: dict
 
-    def risk(self, kind: str) -> Tensor:
-        """(N, E) risk of stopping at each exit: the loss increase over full depth, or disagreement with it."""
+    def risk(self, kind: str, reference: "LmTrace | None" = None) -> Tensor:
+        """(N, E) risk of stopping at each exit: the loss increase over full depth, or disagreement with its greedy
+        token; full depth is the reference trace's (another model on the same tokens) when given, else this one's."""
+        ref = self if reference is None else reference
+        if ref.losses.shape[0] != self.losses.shape[0]:
+            raise ValueError(f"the reference trace has {ref.losses.shape[0]} tokens, this one {self.losses.shape[0]}")
         if kind == "loss":
-            return self.losses - self.losses[:, -1:]
-        return (self.greedy != self.greedy[:, -1:]).float()
+            return self.losses - ref.losses[:, -1:]
+        return (self.greedy != ref.greedy[:, -1:]).float()
 
 
 @torch.no_grad()
@@ -80,10 +84,11 @@ def _columns(chunks: list[Tensor], n_t: int) -> Tensor:
 
 
 def calibrate_rule(trace: LmTrace, rule: str, costs: Tensor, kind: str, epsilon: float, delta: float,
-                   max_tokens: int = 0):
+                   max_tokens: int = 0, reference: LmTrace | None = None):
     """The cheapest threshold of ``rule`` certified to risk <= epsilon at level delta on the trace's tokens
-    (Learn-then-Test, :func:`~learn2stop.core.risk_control.calibrate_risk`)."""
-    scores, risk = trace.signals[rule], trace.risk(kind)
+    (Learn-then-Test, :func:`~learn2stop.core.risk_control.calibrate_risk`), the risk over the reference's full
+    depth (None: the trace's own)."""
+    scores, risk = trace.signals[rule], trace.risk(kind, reference)
     if max_tokens and scores.shape[0] > max_tokens:
         pick = torch.randperm(scores.shape[0], generator=torch.Generator().manual_seed(0))[:max_tokens]
         scores, risk = scores[pick], risk[pick]

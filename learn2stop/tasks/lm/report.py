@@ -78,7 +78,8 @@ def in_time_record(cfg, out: dict, L: int) -> dict:
                                              if x["speedup"].get(str(b)) is not None and x["reached"]]
         fastest[str(b)] = max(cands)[1]
     return {"metric": "test loss (nats/char)", "reference": "GPT, full depth", "batch_sizes": sizes,
-            "calibration": f"Learn-then-Test per token, {c.risk} risk over the same backbone's full depth <= "
+            "calibration": f"Learn-then-Test per token, {c.risk} risk over "
+                           f"{'the GPT' if c.reference == 'gpt' else 'the same backbone'}'s full depth <= "
                            f"{c.epsilon} at delta {c.delta}; fastest: test loss within {c.epsilon} of the GPT's",
             "deployed": ("baseline" if out["deployed"]["backbone"] == "baseline" else
                          short_name(next(r for r in out["results"] if r["row"] == out["deployed"]["row"]))),

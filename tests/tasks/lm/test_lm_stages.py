@@ -133,3 +133,21 @@ def test_the_trace_of_a_model_has_every_signal_per_token():
     assert all(v.shape == (30, 2) for v in tr.signals.values())
     assert torch.equal(tr.signals["fixed"][0], torch.tensor([1.0, 2.0]))
     assert torch.equal(tr.risk("loss")[:, -1], torch.zeros(30)) and bool((tr.risk("agreement") <= 1).all())
+
+
+def test_the_risk_over_a_reference_is_over_its_full_depth_and_certifies_no_more_stopping():
+    g = torch.Generator().manual_seed(5)
+    N, T = 20000, 3
+    own = torch.rand(N, T, generator=g)
+    own[:, -1] = 1.0
+    ref = LmTrace(torch.full((N, T), 0.97), torch.zeros(N, T, dtype=torch.long), torch.zeros(N, dtype=torch.long), {})
+    sure = torch.rand(N, T - 1, generator=g)
+    trace = LmTrace(own, torch.ones(N, T, dtype=torch.long), torch.zeros(N, dtype=torch.long), {"margin": sure})
+    assert torch.allclose(trace.risk("loss", ref), own - 0.97)
+    assert torch.equal(trace.risk("agreement", ref), torch.ones(N, T))  # every greedy token differs from the reference's
+    costs = torch.arange(1, T + 1, dtype=torch.float32) / T
+    alone = calibrate_rule(trace, "margin", costs, "loss", 0.05, 0.1)
+    against = calibrate_rule(trace, "margin", costs, "loss", 0.05, 0.1, reference=ref)
+    assert against.threshold >= alone.threshold  # 0.03 of the budget is spent before any token stops early
+    with pytest.raises(ValueError, match="reference trace has 5 tokens"):
+        trace.risk("loss", LmTrace(ref.losses[:5], ref.greedy[:5], ref.targets[:5], {}))
