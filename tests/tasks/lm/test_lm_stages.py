@@ -151,3 +151,15 @@ def test_the_risk_over_a_reference_is_over_its_full_depth_and_certifies_no_more_
     assert against.threshold >= alone.threshold  # 0.03 of the budget is spent before any token stops early
     with pytest.raises(ValueError, match="reference trace has 5 tokens"):
         trace.risk("loss", LmTrace(ref.losses[:5], ref.greedy[:5], ref.targets[:5], {}))
+
+
+def test_a_backbone_whose_full_depth_is_above_the_reference_is_certified_nowhere_and_says_so():
+    g = torch.Generator().manual_seed(6)
+    N, T = 5000, 3
+    own = 1.0 + 0.1 * torch.rand(N, T, generator=g)
+    ref = LmTrace(torch.full((N, T), 0.9), torch.zeros(N, T, dtype=torch.long), torch.zeros(N, dtype=torch.long), {})
+    trace = LmTrace(own, torch.zeros(N, T, dtype=torch.long), torch.zeros(N, dtype=torch.long),
+                    {"margin": torch.rand(N, T - 1, generator=g)})
+    c = calibrate_rule(trace, "margin", torch.tensor([1 / 3, 2 / 3, 1.0]), "loss", 0.05, 0.1, reference=ref)
+    assert c.threshold == float("inf") and c.calibration["mean_steps"] == T
+    assert abs(c.calibration["risk"] - float((own[:, -1] - 0.9).mean())) < 1e-6 and c.calibration["p_value"] > 0.1
