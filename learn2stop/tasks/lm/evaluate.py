@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -53,8 +54,8 @@ def _timed(fn, rounds: int) -> float:
     return best
 
 
-def _certify(cfg: LmConfig, trace, gpt, rules, gpt_trace) -> dict:
-    c = cfg.calibration
+def _certify(c, trace, gpt, rules, gpt_trace) -> dict:
+    """Each rule's Learn-then-Test calibration under calibration settings ``c`` (:class:`LmCalibrationConfig`)."""
     ref = gpt_trace if c.reference == "gpt" else None
     return {r: calibrate_rule(trace, r, costs_of(gpt), c.risk, c.epsilon, c.delta, c.max_tokens, ref) for r in rules}
 
@@ -70,9 +71,10 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
     deep_trace, gpt_trace = trace_split(deep, *val), trace_split(base, *val)
     exit_losses = {"GPT": gpt_trace.losses.mean(0).tolist(), "deep supervision": deep_trace.losses.mean(0).tolist(),
                    "Stage I": val_trace.losses.mean(0).tolist()}
-    cal = {"deep": _certify(cfg, deep_trace, deep, ["margin"], gpt_trace),
-           "stage1": _certify(cfg, val_trace, s1, ["policy", "margin", "saturation", "fixed"], gpt_trace)}
+    cal = {"deep": _certify(cfg.calibration, deep_trace, deep, ["margin"], gpt_trace),
+           "stage1": _certify(cfg.calibration, val_trace, s1, ["policy", "margin", "saturation", "fixed"], gpt_trace)}
     lam = {k: {r: c.threshold for r, c in v.items()} for k, v in cal.items()}
+    by_epsilon = _certified_by_epsilon(cfg, {"deep": (deep_trace, deep), "stage1": (val_trace, s1)}, gpt_trace)
     fixed_step = lam["stage1"]["fixed"]  # a step index; its layer is the exit's
     fixed_step = int(fixed_step) if math.isfinite(fixed_step) else len(s1.cfg.exit_layers)
     fixed_k = s1.cfg.exit_layers[fixed_step - 1]
@@ -137,10 +139,29 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
     write_json(deployed, run_dir / "deployed.json")
     h2h = _head_to_head(cfg, test_trace, costs_of(s1)) if cfg.eval.head_to_head else None
     out = {"results": results, "timing": timing, "deployed": deployed, "head_to_head": h2h, "exit_losses": exit_losses,
+           "by_epsilon": by_epsilon,
            "prompts": int(prompts.shape[0]), "new_tokens": n_new, "test_tokens": int(test[0].numel()),
            "val_tokens": int(val[0].numel())}
     write_reports(cfg, run_dir, out, test_trace, s1)
     log(f"deployed: {deployed['row']} (the fastest at batch 1 that keeps the plain GPT's quality)")
+    return out
+
+
+#: the quality losses (nats, or disagreement) at which every rule's certified depth is reported beside the run's own
+EPSILONS = (0.005, 0.01, 0.02, 0.05, 0.1)
+
+
+def _certified_by_epsilon(cfg: LmConfig, traces: dict, gpt_trace) -> list[dict]:
+    """Each rule's certified mean layers on validation at each of :data:`EPSILONS` (and the run's epsilon): how much
+    of the depth a user gives up quality for, rule by rule."""
+    out = []
+    for eps in sorted({*EPSILONS, cfg.calibration.epsilon}):
+        c, at = replace(cfg.calibration, epsilon=eps), {}
+        for key, rules in (("deep", ["margin"]), ("stage1", ["policy", "margin", "saturation", "fixed"])):
+            trace, gpt = traces[key]
+            for r, cal in _certify(c, trace, gpt, rules, gpt_trace).items():
+                at[f"{key}-{r}"] = cal.calibration["mean_cost"] * gpt.cfg.n_layer
+        out.append({"epsilon": eps, "mean_layers": at})
     return out
 
 

@@ -92,6 +92,19 @@ def exits_table(exit_losses: dict[str, list[float]], layers: list[int]) -> str:
     return markdown_table(headers, [[name] + [_f(x) for x in losses] for name, losses in exit_losses.items()])
 
 
+def by_epsilon_table(by_epsilon: list[dict], L: int) -> str:
+    """Each rule's certified mean layers on validation (of L) at each allowed quality loss epsilon."""
+    names = list(by_epsilon[0]["mean_layers"])
+    headers = ["epsilon"] + [LABELS.get(n, n) for n in names]
+    return markdown_table(headers, [[f"{r['epsilon']:g}"] + [_f(r["mean_layers"][n], 2) for n in names]
+                                    for r in by_epsilon])
+
+
+#: the columns of the certified-depth table
+LABELS = {"deep-margin": "deep sup. + margin", "stage1-policy": "Stage I + policy", "stage1-margin": "Stage I + margin",
+          "stage1-saturation": "Stage I + saturation", "stage1-fixed": "Stage I + fixed exit"}
+
+
 def head_to_head_table(h2h: list[dict]) -> str:
     headers = ["budget (share of layers)", "against", "policy loss", "rule loss", "policy - rule", "95 % interval"]
     rows = [[f"{100 * r['budget']:.0f} %", r["against"], _f(r["policy_loss"], 4), _f(r["rule_loss"], 4),
@@ -121,6 +134,11 @@ def write_reports(cfg, run_dir: Path, out: dict, trace, gpt) -> None:
     write_text_atomic(run_dir / "exits.md", "# Validation loss (nats/char) at every exit\n\n"
                       + exits_table(out["exit_losses"], gpt.cfg.exit_layers) + "\n")
     write_json(out["exit_losses"], run_dir / "exits.json")
+    c = cfg.calibration
+    write_text_atomic(run_dir / "certified.md", f"# Certified mean layers (of {L}) on validation at each epsilon "
+                      f"({c.risk} risk over {'the GPT' if c.reference == 'gpt' else 'each backbone'}'s full depth, "
+                      f"delta {c.delta})\n\n" + by_epsilon_table(out["by_epsilon"], L) + "\n")
+    write_json(out["by_epsilon"], run_dir / "certified.json")
     write_text_atomic(run_dir / "in_time.md", "# Tokens per second (best of "
                       f"{cfg.eval.timing_rounds}, torch.inference_mode)\n\n" + in_time_table(out) + "\n")
     write_json(in_time_record(cfg, out, L), run_dir / "in_time.json")

@@ -30,10 +30,14 @@ def trained(tmp_path_factory):
 def test_train_and_evaluate_write_the_tables(trained):
     run_dir, _ = trained
     for name in ("results.md", "results.json", "in_time.md", "in_time.json", "frontier.png", "deployed.json",
-                 "head_to_head.md", "training.json", "vocab.json", "exits.md"):
+                 "head_to_head.md", "training.json", "vocab.json", "exits.md", "certified.md"):
         assert (run_dir / name).is_file(), name
     exits = json.loads((run_dir / "exits.json").read_text())
     assert list(exits) == ["GPT", "deep supervision", "Stage I"] and all(len(v) == 3 for v in exits.values())
+    by_eps = json.loads((run_dir / "certified.json").read_text())
+    assert [r["epsilon"] for r in by_eps] == [0.005, 0.01, 0.02, 0.05, 0.1]
+    for looser, tighter in zip(by_eps[1:], by_eps):  # a larger allowed loss certifies at least as much skipping
+        assert all(looser["mean_layers"][k] <= tighter["mean_layers"][k] + 1e-9 for k in tighter["mean_layers"])
     results = json.loads((run_dir / "results.json").read_text())
     rows = {r["row"]: r for r in results}
     assert abs(exits["GPT"][-1] - rows["full depth (GPT)"]["val_loss"]) < 1e-4  # the last exit is full depth
