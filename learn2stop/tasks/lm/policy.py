@@ -77,6 +77,21 @@ class HiddenStatePolicy(nn.Module):
         z = torch.tanh(F.linear(x, self.first.weight, self.first.bias + self.exit_bias[t - 1]))  # (..., H)
         return F.linear(z, self.out.weight, self.out.bias).squeeze(-1)
 
+    def stop_probability_fn(self):
+        """A function of (t, logits, h, h_prev) giving :meth:`stop_logits`'s sigmoid from this policy's weights as
+        they are now (detached, each exit's bias added once): the rule's decision at inference, with no module
+        lookups per call."""
+        H = self.hidden
+        C = self.first.in_features if H else self.exit_weight.shape[-1]
+        if not H:
+            w, b = self.exit_weight.detach(), self.exit_bias.detach()
+            return lambda t, logits, h, h_prev: torch.sigmoid(
+                F.linear(F.layer_norm(h.float(), (C,)), w[t - 1:t], b[t - 1:t]).squeeze(-1))
+        w1, b1 = self.first.weight.detach(), (self.first.bias + self.exit_bias).detach()  # (H, C), (T - 1, H)
+        w2, b2 = self.out.weight.detach(), self.out.bias.detach()
+        return lambda t, logits, h, h_prev: torch.sigmoid(
+            F.linear(torch.tanh(F.linear(F.layer_norm(h.float(), (C,)), w1, b1[t - 1])), w2, b2).squeeze(-1))
+
     def flops(self, vocab: int, width: int) -> int:
         """FLOPs per token and exit asked: the LayerNorm and the map."""
         H = self.hidden
@@ -110,6 +125,10 @@ class TokenExitPolicy(nn.Module):
 
     def stop_logits(self, t: int, logits: Tensor, h: Tensor, h_prev: Tensor) -> Tensor:
         return self(exit_features(t, logits, h, h_prev, self.num_steps))
+
+    def stop_probability_fn(self):
+        """A function of (t, logits, h, h_prev) giving :meth:`stop_logits`'s sigmoid (the rule's decision)."""
+        return lambda t, logits, h, h_prev: torch.sigmoid(self.stop_logits(t, logits, h, h_prev))
 
     def flops(self, vocab: int, width: int) -> int:
         """FLOPs per token and exit asked: the features and the MLP (see the module's text)."""

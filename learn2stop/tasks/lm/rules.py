@@ -39,16 +39,13 @@ def saturation(h: Tensor, h_prev: Tensor) -> Tensor:
     return F.cosine_similarity(h.float(), h_prev.float(), dim=-1)
 
 
-def signal_of(name: str, t: int, logits: Tensor, h: Tensor, h_prev: Tensor, policy=None) -> Tensor:
-    """The (...,) signal of rule ``name`` at exit t (stop when >= its threshold)."""
+def signal_of(name: str, t: int, logits: Tensor, h: Tensor, h_prev: Tensor) -> Tensor:
+    """The (...,) signal of the fixed rule ``name`` at exit t (stop when >= its threshold); the policy's is its
+    stop probability (:func:`make_rule`)."""
     if name == "margin":
         return softmax_margin(logits)
     if name == "saturation":
         return saturation(h, h_prev)
-    if name == "policy":
-        if policy is None:
-            raise ValueError("rule 'policy' needs a trained policy (the run has no Stage II checkpoint?)")
-        return torch.sigmoid(policy.stop_logits(t, logits, h, h_prev))
     if name == "fixed":
         return h.new_full(h.shape[:-1], float(t))
     if name == "full":
@@ -65,8 +62,14 @@ def make_rule(name: str, lam: float, policy=None):
     if name == "policy" and policy is None:
         raise ValueError("rule 'policy' needs a trained policy (the run has no Stage II checkpoint?)")
 
-    def rule(t: int, logits: Tensor, h: Tensor, h_prev: Tensor) -> Tensor:
-        return signal_of(name, t, logits, h, h_prev, policy) >= lam
+    if name == "policy":  # the policy's weights taken once, not looked up at every exit of every token
+        stop_probability = policy.stop_probability_fn()
+
+        def rule(t: int, logits: Tensor, h: Tensor, h_prev: Tensor) -> Tensor:
+            return stop_probability(t, logits, h, h_prev) >= lam
+    else:
+        def rule(t: int, logits: Tensor, h: Tensor, h_prev: Tensor) -> Tensor:
+            return signal_of(name, t, logits, h, h_prev) >= lam
 
     rule.name, rule.lam = name, float(lam)
     rule.reads_logits = name == "margin" or (name == "policy" and policy.reads_logits)

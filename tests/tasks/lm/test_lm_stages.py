@@ -163,3 +163,23 @@ def test_a_backbone_whose_full_depth_is_above_the_reference_is_certified_nowhere
     c = calibrate_rule(trace, "margin", torch.tensor([1 / 3, 2 / 3, 1.0]), "loss", 0.05, 0.1, reference=ref)
     assert c.threshold == float("inf") and c.calibration["mean_steps"] == T
     assert abs(c.calibration["risk"] - float((own[:, -1] - 0.9).mean())) < 1e-6 and c.calibration["p_value"] > 0.1
+
+
+@pytest.mark.parametrize("kind, hidden", [("hidden", 8), ("hidden", 0), ("signals", 8)])
+def test_the_policy_rule_stops_where_its_stop_probability_reaches_the_threshold(kind, hidden):
+    from learn2stop.tasks.lm.rules import make_rule
+
+    gpt = tiny_gpt(7, n_layer=4).float()
+    policy = new_policy(preset("tiny", model={"policy": kind, "policy_hidden": hidden}), gpt)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.normal_(0, 0.5)
+    x = torch.randint(13, (3, 11), generator=torch.Generator().manual_seed(7))
+    states, logits, _ = policy_batch(gpt, x, x, True)
+    probs = torch.sigmoid(policy_stop_logits(policy, states, logits)).detach()  # (33, 3) as the trace holds them
+    lam = float(probs.median())
+    rule = make_rule("policy", lam, policy)
+    assert rule.reads_logits == (kind == "signals")
+    for t in (1, 2, 3):
+        got = rule(t, logits[t - 1] if rule.reads_logits else None, states[t], states[t - 1])
+        assert torch.equal(got, probs[:, t - 1] >= lam)
