@@ -60,7 +60,7 @@ def in_time_record(cfg, out: dict, L: int) -> dict:
     base_row = out["results"][0]
     base_t = out["timing"][base_row["row"]]["generate"]
     c = cfg.calibration
-    keeps = base_row["test_loss"] + (c.epsilon if c.risk == "loss" else 0.0)  # the plain GPT's quality, on test
+    keeps = base_row["val_loss"] + (c.epsilon if c.risk == "loss" else 0.0)  # the plain GPT's quality, on validation
     rows = [{"rule": "baseline", "metric": base_row["test_loss"], "mean_steps": float(L)}]
     fastest = {}
     for r in out["results"][1:]:
@@ -69,7 +69,7 @@ def in_time_record(cfg, out: dict, L: int) -> dict:
             continue
         layers = r["test_mean_layers"] if r["test_mean_layers"] is not None else float(L)
         speed = {str(b): (t["generate"][b] / base_t[b]) if b in t["generate"] else None for b in sizes}
-        rows.append({"rule": short_name(r), "reached": r["test_loss"] <= keeps, "param": r["threshold"],
+        rows.append({"rule": short_name(r), "reached": r["val_loss"] <= keeps, "param": r["threshold"],
                      "metric": r["test_loss"],
                      "mean_steps": layers, "mean_cost": layers / L, "speedup": speed, "label": r["row"],
                      "tokens_per_s": {str(b): v for b, v in t["generate"].items()}, "score_tokens_per_s": t["score"]})
@@ -80,7 +80,7 @@ def in_time_record(cfg, out: dict, L: int) -> dict:
     return {"metric": "test loss (nats/char)", "reference": "GPT, full depth", "batch_sizes": sizes,
             "calibration": f"Learn-then-Test per token, {c.risk} risk over "
                            f"{'the GPT' if c.reference == 'gpt' else 'the same backbone'}'s full depth <= "
-                           f"{c.epsilon} at delta {c.delta}; fastest: test loss within {c.epsilon} of the GPT's",
+                           f"{c.epsilon} at delta {c.delta}; fastest: validation loss within {c.epsilon} of the GPT's",
             "deployed": ("baseline" if out["deployed"]["backbone"] == "baseline" else
                          short_name(next(r for r in out["results"] if r["row"] == out["deployed"]["row"]))),
             "fastest": fastest, "rows": rows}
@@ -129,7 +129,8 @@ def write_reports(cfg, run_dir: Path, out: dict, trace, gpt) -> None:
             f"generation: {out['prompts']} test prompts x {out['new_tokens']} new tokens, agreement with the same "
             f"backbone's full-depth greedy tokens. Deployed: {out['deployed']['row']}.\n")
     write_text_atomic(run_dir / "results.md", "# Early-exit language model: test split\n\n"
-                      + results_table(out, L) + note)
+                      + results_table(out, L) + note + "\n## Tokens per second (best of "
+                      f"{cfg.eval.timing_rounds}, torch.inference_mode)\n\n" + in_time_table(out) + "\n")
     write_json(out["results"], run_dir / "results.json")
     write_text_atomic(run_dir / "exits.md", "# Validation loss (nats/char) at every exit\n\n"
                       + exits_table(out["exit_losses"], gpt.cfg.exit_layers) + "\n")
