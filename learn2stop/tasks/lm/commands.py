@@ -130,7 +130,7 @@ def deployed_rule(cfg: LmConfig, run_dir: Path, models: dict):
     from .metric import rule_for
 
     path = Path(run_dir) / "deployed.json"
-    if cfg.exit_rule in ("deployed", "policy", "margin", "saturation", "fixed") and not path.is_file():
+    if cfg.exit_rule in ("deployed", "policy", "margin", "saturation", "fixed", "speculative") and not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no deployed.json: run 'learn2stop lm evaluate' first "
                                 f"(or --rule full)")
     gpt, policy = models["stage2"]
@@ -159,6 +159,9 @@ def generate_command(cfg: LmConfig, run: RunContext | str | Path) -> dict:
         raise ConfigError(f"the prompt ({prompt.shape[1]} characters) + max_new_tokens ({cfg.max_new_tokens}) - 1 "
                           f"exceeds the model's context ({cfg.model.context})", "max_new_tokens")
     _, _, models = load_run(cfg, run, "generate", with_data=False)
+    plan = _speculative_plan(cfg, run_dir)
+    if plan is not None:
+        return _generate_speculative(cfg, run, vocab, prompt, models["stage1"][0], plan)
     label, gpt, rule = deployed_rule(cfg, run_dir, models)
     view = StepwiseGPT(gpt)
     check_prompt(gpt, prompt, cfg.max_new_tokens)
@@ -185,3 +188,34 @@ def generate_command(cfg: LmConfig, run: RunContext | str | Path) -> dict:
             f"{len(used) / seconds:.1f} tokens/s")
     return {"text": cfg.prompt + "".join(text), "mean_layers": mean_layers, "tokens_per_s": len(used) / seconds,
             "rule": label}
+
+
+def _speculative_plan(cfg: LmConfig, run_dir: Path) -> dict | None:
+    """The draft layer and length of self-speculative decoding, where ``exit_rule`` asks for it or the run deployed
+    it; else None."""
+    import json
+
+    path = Path(run_dir) / "deployed.json"
+    if cfg.exit_rule not in ("speculative", "deployed") or not path.is_file():
+        return None
+    deployed = json.loads(path.read_text(encoding="utf-8"))
+    if cfg.exit_rule == "deployed" and deployed["rule"] != "speculative":
+        return None
+    return deployed["speculative"]
+
+
+def _generate_speculative(cfg: LmConfig, run: RunContext, vocab: CharVocab, prompt: torch.Tensor, gpt, plan: dict):
+    """Stage I's full-depth greedy continuation by self-speculative decoding (batch 1): the text, its acceptance and
+    tokens/s."""
+    from .speculative import self_speculative_decode
+
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        result = self_speculative_decode(gpt, prompt, cfg.max_new_tokens, plan["draft_layer"], plan["num_draft"])
+    seconds = time.perf_counter() - t0
+    text = vocab.decode(result.tokens[0, prompt.shape[1]:])
+    sys.stdout.write(cfg.prompt + text + "\n")
+    label = f"self-speculative (draft layer {plan['draft_layer']}, {plan['num_draft']} drafts)"
+    n = cfg.max_new_tokens
+    run.log(f"[{label}] {n} tokens, {result.accepted} of {result.drafted} drafts accepted, {n / seconds:.1f} tokens/s")
+    return {"text": cfg.prompt + text, "tokens_per_s": n / seconds, "rule": label}

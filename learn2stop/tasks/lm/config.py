@@ -245,7 +245,8 @@ class LmConfig:
     eval: LmEvalConfig = field(default_factory=LmEvalConfig)
     """Evaluation on the test split."""
     exit_rule: str = "deployed"
-    """generate: deployed (the run's certified default) or one of policy, margin, saturation, fixed, full."""
+    """generate: deployed (the run's certified default) or one of policy, margin, saturation, fixed, full, or
+    speculative (Stage I's full-depth tokens by self-speculative decoding, batch 1)."""
     prompt: str = "ROMEO:"
     """generate: the text to continue."""
     max_new_tokens: int = 200
@@ -258,7 +259,8 @@ class LmConfig:
             except ConfigError as e:
                 raise e.within(f"{name}.") from None
         int_at_least(self.seed, "seed", 0)
-        one_of(self.exit_rule, ("deployed", "policy", "margin", "saturation", "fixed", "full"), "exit_rule")
+        one_of(self.exit_rule, ("deployed", "policy", "margin", "saturation", "fixed", "full", "speculative"),
+               "exit_rule")
         positive_int(self.max_new_tokens, "max_new_tokens")
         require(isinstance(self.prompt, str) and self.prompt != "", "prompt", "must hold at least one character")
         require(math.isfinite(self.method.price), "method.price", "must be finite")

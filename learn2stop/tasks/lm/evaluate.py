@@ -131,10 +131,11 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
                     "generation_agreement": 1.0 if spec_ok else 0.0, "generation_mean_layers": None})
     fastest = _deployable(cfg, results, timing, s1.cfg.n_layer)
     deployed = {"backbone": fastest["backbone"], "rule": fastest["rule"], "row": fastest["row"],
-                "chosen_by": "the fastest batch-1 generation among the plain GPT at full depth and Stage I's "
-                             "certified rules within epsilon of its validation loss (ties within 2 % to fewer layers, "
-                             "then the GPT)",
+                "chosen_by": "the fastest batch-1 generation among the plain GPT at full depth, Stage I's "
+                             "certified rules and its self-speculative decoding within epsilon of its validation loss "
+                             "(ties within 2 % to fewer layers, then the GPT)",
                 "thresholds": {r: (None if not math.isfinite(x) else x) for r, x in lam["stage1"].items()},
+                "speculative": {"draft_layer": draft, "num_draft": n_draft},
                 "calibration": {k: {r: c.to_dict() for r, c in v.items()} for k, v in cal.items()}}
     write_json(deployed, run_dir / "deployed.json")
     h2h = _head_to_head(cfg, test_trace, costs_of(s1)) if cfg.eval.head_to_head else None
@@ -166,14 +167,16 @@ def _certified_by_epsilon(cfg: LmConfig, traces: dict, gpt_trace) -> list[dict]:
 
 
 def _deployable(cfg: LmConfig, results: list[dict], timing: dict, L: int) -> dict:
-    """The row a user serving at batch 1 deploys: of the plain GPT at full depth and Stage I's certified rules whose
-    validation loss is within epsilon of the GPT's (a rule certified against Stage I's own full depth may still
-    lose to the GPT), the fastest generation at batch 1 (:func:`~learn2stop.core.timing.fastest_certified`)."""
+    """The row a user serving at batch 1 deploys: of the plain GPT at full depth, Stage I's certified rules and its
+    self-speculative decoding (Stage I's full-depth tokens), those whose validation loss is within epsilon of the
+    GPT's (a rule certified against Stage I's own full depth may still lose to the GPT), the fastest generation at
+    batch 1 (:func:`~learn2stop.core.timing.fastest_certified`)."""
     gpt_row = results[0]
     eps = cfg.calibration.epsilon if cfg.calibration.risk == "loss" else 0.0
     keeps = gpt_row["val_loss"] + eps
     rows = {"baseline": gpt_row, **{r["rule"]: r for r in results if r["backbone"] == "stage1" and r["rule"] in
-                                    ("policy", "margin", "saturation", "fixed") and r["val_loss"] <= keeps}}
+                                    ("policy", "margin", "saturation", "fixed", "speculative")
+                                    and r["val_loss"] <= keeps}}
     speeds = {n: timing[r["row"]]["generate"].get(1) for n, r in rows.items()}
     costs = {n: (r["test_mean_layers"] or L) / L for n, r in rows.items()}
     return rows[fastest_certified(speeds, costs) or "baseline"]

@@ -57,7 +57,8 @@ def test_train_and_evaluate_write_the_tables(trained):
     if deployed["backbone"] == "baseline":  # the plain GPT at full depth: nothing kept its quality faster
         assert deployed["rule"] == "full" and deployed["row"] == "full depth (GPT)"
     else:  # a Stage I rule within epsilon of the plain GPT's validation loss
-        assert deployed["backbone"] == "stage1" and deployed["rule"] in ("policy", "margin", "saturation", "fixed")
+        assert deployed["backbone"] == "stage1" and deployed["rule"] in ("policy", "margin", "saturation", "fixed",
+                                                                         "speculative")
         assert rows[deployed["row"]]["val_loss"] <= rows["full depth (GPT)"]["val_loss"] + 0.01
 
 
@@ -65,13 +66,27 @@ def test_generate_streams_text_and_reports_depth_and_speed(trained, capsys):
     run_dir, corpus = trained
     prompt = markov_text(3)
     assert main(["lm", "generate", *tiny(run_dir, corpus, "--prompt", prompt, "--max-new-tokens", "10")]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(prompt) and "mean exit layer" in out and "tokens/s" in out
+    out = capsys.readouterr().out  # the deployed generation: an exit rule, or self-speculative decoding
+    assert out.startswith(prompt) and ("mean exit layer" in out or "drafts accepted" in out) and "tokens/s" in out
     assert main(["lm", "generate", *tiny(run_dir, corpus, "--prompt", prompt, "--max_new_tokens", "5",
+                                         "--exit_rule", "margin")]) == 0
+    assert "mean exit layer" in capsys.readouterr().out
+    assert main(["lm", "generate", *tiny(run_dir, corpus, "--prompt", prompt, "--max_new_tokens", "9",
                                          "--exit_rule", "full")]) == 0
-    assert "mean exit layer 3.00 of 3" in capsys.readouterr().out
+    full = capsys.readouterr().out
+    assert "mean exit layer 3.00 of 3" in full
+    assert main(["lm", "generate", *tiny(run_dir, corpus, "--prompt", prompt, "--max_new_tokens", "9",
+                                         "--exit_rule", "speculative")]) == 0
+    fast = capsys.readouterr().out  # self-speculative decoding writes Stage I's full-depth text exactly
+    assert "drafts accepted" in fast and fast.splitlines()[0] == full.splitlines()[0]
     moved = corpus.parent / "moved-away.txt"  # generation reads the run's vocabulary, not the corpus
     assert main(["lm", "generate", *tiny(run_dir, moved, "--prompt", prompt, "--max-new-tokens", "3")]) == 0
+    capsys.readouterr()  # with no preset, a reading command starts from the settings the run was trained with
+    assert main(["lm", "generate", "--run-dir", str(run_dir), "--prompt", prompt, "--max-new-tokens", "4",
+                 "--exit_rule", "full"]) == 0
+    assert "of 3," in capsys.readouterr().out
+    assert cli(["lm", "generate", "--preset", "quick", "--run-dir", str(run_dir), "--prompt", prompt]) == 2
+    assert "was trained with" in capsys.readouterr().err  # a preset asked for is still checked against the run
 
 
 def cli(args: list[str]) -> int:
