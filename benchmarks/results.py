@@ -282,8 +282,8 @@ def summary_row(run: str, record: dict | None) -> str:
                           f"summary.rules")
     # a stop model with no lead at full depth has its rules matched to the baseline on validation, not certified
     how = "matched on validation, no guarantee" if "no guarantee" in s["calibration"] else "certified"
-    name = (f"a fixed depth of {_steps(r['param'] or T)}, {how}" if r["rule"] == "fixed"
-            else f"{r['rule']} rule, {how}")
+    name = (r["description"] if "description" in r else f"a fixed depth of {_steps(r['param'] or T)}, {how}"
+            if r["rule"] == "fixed" else f"{r['rule']} rule, {how}")
     speed = " / ".join(f"{r['speedup'][n]:.2f}×" if r["speedup"].get(n) is not None else "-" for n in sizes)
     return (f"| {task} | {base} | **{_num(r['metric'])}** ({name}) | {_steps(r['mean_steps'])} of {_steps(T)} | "
             f"{speed} (batch {' / '.join(sizes)}) |")

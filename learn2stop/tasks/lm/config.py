@@ -199,9 +199,9 @@ class LmEvalConfig:
     """Tokens generated per prompt."""
     timing_batches: tuple[int, ...] = (1, 8, 64)
     """Batch sizes at which generation is timed."""
-    timing_rounds: int = 3
+    timing_rounds: int = 5
     """Timings are the best of this many passes."""
-    timing_tokens: int = 48
+    timing_tokens: int = 96
     """New tokens per timed generation pass."""
     head_to_head: bool = True
     """The policy against CALM's rules at equal mean layers, paired bootstrap."""

@@ -72,7 +72,9 @@ def in_time_record(cfg, out: dict, L: int) -> dict:
         rows.append({"rule": short_name(r), "reached": r["val_loss"] <= keeps, "param": r["threshold"],
                      "metric": r["test_loss"],
                      "mean_steps": layers, "mean_cost": layers / L, "speedup": speed, "label": r["row"],
-                     "tokens_per_s": {str(b): v for b, v in t["generate"].items()}, "score_tokens_per_s": t["score"]})
+                     "tokens_per_s": {str(b): v for b, v in t["generate"].items()}, "score_tokens_per_s": t["score"],
+                     **({"description": "self-speculative decoding of Stage I's full depth, matched on validation"}
+                        if r["rule"] == "speculative" else {})})
     for b in sizes:
         cands = [(base_t[b], "baseline")] + [(x["speedup"][str(b)] * base_t[b], x["rule"]) for x in rows[1:]
                                              if x["speedup"].get(str(b)) is not None and x["reached"]]
