@@ -160,6 +160,8 @@ def record_run(run_dir: str | Path, threads: int | None = None) -> dict:
             rule.update({"param": r.get("param"), "metric": _field(r, "metric", at),
                          "mean_steps": _field(r, "mean_steps", at), "mean_cost": _field(r, "mean_cost", at),
                          "speedup": {n: r.get("speedup", {}).get(n) for n in sizes}})
+            if "description" in r:  # what the rule is, where its name alone would mislead
+                rule["description"] = str(r["description"])
         summary["rules"].append(rule)
     record = {"format": FORMAT, "run": run_dir.name, "task": task, "preset": preset, "command": command,
               "summary": summary, "tables": run_tables(run_dir)}
