@@ -123,8 +123,9 @@ def build_parser(task_name: str, command: str, preset: str | None = None) -> arg
                      formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=40),
                      allow_abbrev=False)  # a prefix of one field's flag would silently stop working once another shares it
     parser.add_argument("--preset", default=spec.default_preset, metavar="P",
-                        help=f"the settings to start from: {', '.join(spec.presets)} (default {spec.default_preset}; a reading "
-                             "command given --run-dir starts from the run's own config.yaml)")
+                        help=f"the settings to start from: {', '.join(spec.presets)} (default "
+                             f"{spec.default_preset}; a reading command given --run-dir starts from the run's own "
+                             "config.yaml)")
     parser.add_argument("--config", default=None, metavar="F.yaml",
                         help="YAML file of config fields, applied over the preset (flags apply over it)")
     parser.add_argument("--run-dir", default=None, metavar="DIR", help=f"output folder (default runs/{task_name}-<preset>)")

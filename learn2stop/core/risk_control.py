@@ -87,7 +87,7 @@ def calibrate_risk(scores: Tensor, risk_losses: Tensor, epsilon: float, delta: f
                              f"loss_range=None (the CLT p-value)")
     costs = costs if costs is not None else torch.arange(1, T + 1, dtype=torch.float32) / T
     cand = candidate_thresholds(scores, max_candidates).flip(0)  # +inf (full depth) first, then ever more aggressive
-    chosen, tested, full_p = None, 0, 0.0
+    chosen, tested = None, 0
     for thr in cand.tolist():
         stops = first_crossing(scores, thr)
         losses = risk_losses.gather(1, (stops - 1).unsqueeze(1).to(risk_losses.device)).squeeze(1).double()
@@ -97,13 +97,12 @@ def calibrate_risk(scores: Tensor, risk_losses: Tensor, epsilon: float, delta: f
         else:
             p = clt_pvalue(losses, epsilon)
         tested += 1
-        full_p = p if tested == 1 else full_p
         if p > delta:
             break
         chosen = (thr, float(losses.mean()), stops, p)
-    if chosen is None:  # not even full depth is certified (its risk over a reference's is above epsilon): never stop
-        stops = torch.full((N,), T)  # early, and the record says so with full depth's own risk and p-value
-        thr, risk, p = math.inf, float(risk_losses[:, -1].double().mean()), full_p
+    if chosen is None:  # not even full depth, tested first, is certified (its risk over a reference's is above
+        stops = torch.full((N,), T)  # epsilon): never stop early, with full depth's own risk and p-value (p, above)
+        thr, risk = math.inf, float(risk_losses[:, -1].double().mean())
     else:
         thr, risk, stops, p = chosen
     return Calibration(rule=signal_name, param=to_param(thr), threshold=thr,

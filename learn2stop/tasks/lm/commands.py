@@ -17,7 +17,7 @@ from ...utils.report import write_json
 from ..base import RunContext, as_run
 from .config import LmConfig
 from .data import CharVocab, Splits, read_text, split_by_position
-from .generate import decode_token, prefill, KVCache, check_prompt
+from .generate import decode_token, folded_propagations, prefill, KVCache, check_prompt
 from .metric import score_split, windows
 from .models import StepwiseGPT
 from .train import STAGES, checkpoint_path, train_stages
@@ -173,9 +173,9 @@ def generate_command(cfg: LmConfig, run: RunContext | str | Path) -> dict:
         cache = KVCache(gpt, 1, gpt.wte.weight)
         if prompt.shape[1] > 1:
             prefill(gpt, cache, prompt[:, :-1])
-        token, text = prompt[:, -1], []
+        token, text, folded = prompt[:, -1], [], folded_propagations(view)
         for _ in range(cfg.max_new_tokens):
-            logits, step = decode_token(view, cache, token, rule)
+            logits, step = decode_token(view, cache, token, rule, folded)
             token = logits.argmax(-1)
             used.append(int(layers[step[0] - 1]))
             text.append(vocab.decode(token))

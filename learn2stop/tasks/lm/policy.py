@@ -26,7 +26,6 @@ from .config import POLICIES
 FEATURES = ("top1", "margin", "entropy", "change", "cosine", "step")
 
 
-
 def exit_features(t: int, logits: Tensor, h: Tensor, h_prev: Tensor, num_steps: int) -> Tensor:
     """The (..., 6) features of :data:`FEATURES` at exit t from logits (..., V) and hidden states (..., C)."""
     logp = logits.float().log_softmax(-1)
@@ -70,27 +69,31 @@ class HiddenStatePolicy(nn.Module):
     def fit_scale(self, states: list[Tensor], logits: list[Tensor] | None) -> None:
         """Nothing to fit: the LayerNorm standardises each state."""
 
-    def stop_logits(self, t: int, logits: Tensor | None, h: Tensor, h_prev: Tensor) -> Tensor:
-        x = F.layer_norm(h.float(), h.shape[-1:])  # (..., C)
+    def _weights(self) -> tuple[Tensor, ...]:
+        """The map's tensors, each exit's bias added in once: (w (T - 1, C), c (T - 1,)) with H = 0, else
+        (W1 (H, C), b1 (T - 1, H), w2 (1, H), b2 (1,))."""
         if not self.hidden:
-            return F.linear(x, self.exit_weight[t - 1:t], self.exit_bias[t - 1:t]).squeeze(-1)
-        z = torch.tanh(F.linear(x, self.first.weight, self.first.bias + self.exit_bias[t - 1]))  # (..., H)
-        return F.linear(z, self.out.weight, self.out.bias).squeeze(-1)
+            return self.exit_weight, self.exit_bias
+        return self.first.weight, self.first.bias + self.exit_bias, self.out.weight, self.out.bias
+
+    @staticmethod
+    def _logits(t: int, h: Tensor, weights: tuple[Tensor, ...]) -> Tensor:
+        x = F.layer_norm(h.float(), h.shape[-1:])  # (..., C)
+        if len(weights) == 2:
+            w, c = weights
+            return F.linear(x, w[t - 1:t], c[t - 1:t]).squeeze(-1)
+        w1, b1, w2, b2 = weights
+        return F.linear(torch.tanh(F.linear(x, w1, b1[t - 1])), w2, b2).squeeze(-1)  # (..., H) -> (...,)
+
+    def stop_logits(self, t: int, logits: Tensor | None, h: Tensor, h_prev: Tensor) -> Tensor:
+        return self._logits(t, h, self._weights())
 
     def stop_probability_fn(self):
         """A function of (t, logits, h, h_prev) giving :meth:`stop_logits`'s sigmoid from this policy's weights as
         they are now (detached, each exit's bias added once): the rule's decision at inference, with no module
         lookups per call."""
-        H = self.hidden
-        C = self.first.in_features if H else self.exit_weight.shape[-1]
-        if not H:
-            w, b = self.exit_weight.detach(), self.exit_bias.detach()
-            return lambda t, logits, h, h_prev: torch.sigmoid(
-                F.linear(F.layer_norm(h.float(), (C,)), w[t - 1:t], b[t - 1:t]).squeeze(-1))
-        w1, b1 = self.first.weight.detach(), (self.first.bias + self.exit_bias).detach()  # (H, C), (T - 1, H)
-        w2, b2 = self.out.weight.detach(), self.out.bias.detach()
-        return lambda t, logits, h, h_prev: torch.sigmoid(
-            F.linear(torch.tanh(F.linear(F.layer_norm(h.float(), (C,)), w1, b1[t - 1])), w2, b2).squeeze(-1))
+        weights = tuple(w.detach() for w in self._weights())
+        return lambda t, logits, h, h_prev: torch.sigmoid(self._logits(t, h, weights))
 
     def flops(self, vocab: int, width: int) -> int:
         """FLOPs per token and exit asked: the LayerNorm and the map."""

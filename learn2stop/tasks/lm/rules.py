@@ -13,9 +13,10 @@ h_prev the one at the exit before (the embedding at t = 1). A rule stops a token
 The oracle (each token's best exit given its label) is not a rule of this form: it needs the labels, so it is a
 bound, scored with a known exit per position (:func:`planned_rule`).
 
-A rule may say it does not read the logits (``reads_logits = False``: saturation, fixed, full, planned, a policy that reads the hidden state alone): generation
-then runs the exit's readout (final norm and LM head) only for the tokens that stop there, not at every exit asked,
-and the rule gets None for them (:func:`reads_logits`; absent: it reads them).
+A rule may say it does not read the logits (``reads_logits = False``: saturation, fixed, full, planned, and a policy
+that reads the hidden state alone): generation then runs the exit's readout (final norm and LM head) only for the
+tokens that stop there, not at every exit asked, and the rule gets None for them (:func:`reads_logits`; absent: it
+reads them).
 """
 from __future__ import annotations
 

@@ -50,9 +50,14 @@ def exit_states(gpt: GPT, x: Tensor) -> list[Tensor]:
 def per_exit_losses(gpt: GPT, x: Tensor, y: Tensor, states: list[Tensor] | None = None) -> Tensor:
     """(B * T, E) cross-entropy of every token at every exit (E exits), one row per token."""
     states = exit_states(gpt, x) if states is None else states
-    logits = torch.stack([gpt.head(h) for h in states[1:]], 2)  # (B, T, E, V)
-    E = logits.shape[2]
-    ce = F.cross_entropy(logits.flatten(0, 2), y[:, :, None].expand(-1, -1, E).flatten(), reduction="none")
+    return exit_cross_entropy([gpt.head(h) for h in states[1:]], y)
+
+
+def exit_cross_entropy(logits: list[Tensor], y: Tensor) -> Tensor:
+    """(N, E) cross-entropy of the E exits' logits (..., V) each against targets y (...,), one row per token."""
+    stacked = torch.stack(logits, -2)  # (..., E, V)
+    E = stacked.shape[-2]
+    ce = F.cross_entropy(stacked.flatten(0, -2), y.reshape(-1, 1).expand(-1, E).flatten(), reduction="none")
     return ce.view(-1, E)
 
 
@@ -122,17 +127,15 @@ def fit(params, loss_fn, s: LmStageConfig, draw, log, name: str, every: int = 10
     return history
 
 
-def policy_batch(gpt: GPT, x: Tensor, y: Tensor, reads_logits: bool) -> tuple[list[Tensor], list[Tensor] | None, Tensor]:
+def policy_batch(gpt: GPT, x: Tensor, y: Tensor,
+                 reads_logits: bool) -> tuple[list[Tensor], list[Tensor] | None, Tensor]:
     """What Stage II reads of the frozen backbone on a batch, one row per token (N = batch x context): the states
     [embedding, exit 1, .., exit E] (N, C) each, the exits' logits (N, V) each when the policy reads them, and the
     per-exit losses (N, E)."""
     with torch.no_grad():
         states = [h.flatten(0, 1) for h in exit_states(gpt, x)]
         logits = [gpt.head(h) for h in states[1:]]
-        E = len(logits)
-        ce = F.cross_entropy(torch.stack(logits, 1).flatten(0, 1), y.flatten()[:, None].expand(-1, E).flatten(),
-                             reduction="none")
-    return states, logits if reads_logits else None, ce.view(-1, E)
+    return states, logits if reads_logits else None, exit_cross_entropy(logits, y)
 
 
 def stage2_loss(cfg: LmConfig, gpt: GPT, policy, states: list[Tensor], logits: list[Tensor] | None,
