@@ -12,11 +12,9 @@ the batch, so that the loop can drop samples that have stopped. Nothing needs to
 anything: wrap the model with :class:`StoppingModel` and a policy.
 
 A *policy* is a module ``policy(inputs, output, t) -> (B,) stop logits`` (pi_t = sigmoid(logit),
-paper Eq. 2). A policy may set ``min_step``: before that step it is not called at all (pi_t = 0),
-which saves its cost where it would never stop. A *planning* policy sets ``plan_step`` instead: it is
-called once, at that step, and returns the (B, T-1) stop logits of every step (its whole q_phi); it may also
-set ``replan_step``, where the samples still running are planned once more. The optional members of a model
-and a policy, and their defaults, are declared in :mod:`learn2stop.core.protocols`.
+paper Eq. 2), or a planning policy that gives every step's stop logits at once; its optional members are declared
+in :mod:`learn2stop.core.protocols`, and what a full unroll records of it is
+:class:`~learn2stop.core.policy_calls.PolicyRecord`'s business, not the loop's.
 
 A *stop rule* (:class:`~learn2stop.core.stop_rule.StopRule`) fills the stopping slot of
 :func:`run_with_early_exit`: the loop asks it at its steps and shrinks the batch by the answer, which rows stop now
@@ -33,12 +31,11 @@ from typing import Any, Callable, Collection
 import torch
 from torch import Tensor, nn
 
-from .policy_calls import (NEVER_STOP_LOGIT, check_replan_step, planned_logits, policy_logits, replan_log_q)
-from .protocols import member
+from .policy_calls import PolicyRecord
 from .shrinking_batch import ShrinkingBatch
 from .steps import check_model_inputs, check_stepwise, first_call, take_step
-from .stop_rule import Plan, StepView, StopRule, as_stop_rule
-from .trees import batch_size, take_rows, tree_detach, tree_leaves, tree_map, tree_select, tree_zip_apply, tree_zip_map
+from .stop_rule import Plan, RecordingProbs, StepView, StopRule, as_stop_rule
+from .trees import batch_size, take_rows, tree_leaves, tree_map, tree_select, tree_zip_apply, tree_zip_map
 
 
 # ----------------------------------------------------------------------------- the result
@@ -115,11 +112,8 @@ def unroll(
     check_model_inputs(model, inputs)
     T = model.num_steps
     B = batch_size(inputs)
-    losses, logits, outs = [], [], []
-    plan_at = member(policy, "plan_step")
-    replan_at = member(policy, "replan_step") if plan_at is not None else None
-    check_replan_step(plan_at, replan_at, T)
-    planned = replanned = previous = None
+    losses, outs = [], []
+    record = PolicyRecord(policy, B, T, model_grad) if policy is not None else None
     with torch.set_grad_enabled(model_grad and torch.is_grad_enabled()):
         state = first_call(model.initial_state, model, inputs)
     output = None
@@ -131,17 +125,8 @@ def unroll(
                 if loss_t.shape != (B,):
                     raise ValueError(f"loss_fn must return one loss per sample, shape ({B},); got {tuple(loss_t.shape)}")
                 losses.append(loss_t)
-        if policy is not None and t < T and (plan_at is None or t == plan_at):
-            seen = output if model_grad else tree_detach(output)
-            if plan_at is None:
-                logits.append(policy_logits(policy, inputs, seen, t, B))
-            else:
-                planned = planned_logits(policy, inputs, seen, t, B, T)
-        if replan_at is not None and t in (replan_at - 1, replan_at):
-            seen = output if model_grad else tree_detach(output)
-            if t == replan_at:
-                replanned = replan_log_q(policy, inputs, seen, previous, t, B, T)
-            previous = seen
+        if record is not None:
+            record.observe(t, inputs, output)
         if keep_outputs:
             outs.append(output)
     device = tree_leaves(output)[0].device if tree_leaves(output) else None
@@ -151,10 +136,9 @@ def unroll(
         num_steps=T,
         step_outputs=outs if keep_outputs else None,
         losses=torch.stack(losses, dim=1) if losses else None,
-        stop_logits=None if policy is None else planned if planned is not None else
-        torch.stack(logits, dim=1) if logits else torch.full((B, T - 1), NEVER_STOP_LOGIT, device=device),
-        replan_log_q=replanned,
-        replan_step=replan_at if replanned is not None else None,
+        stop_logits=None if record is None else record.stop_logits(device),
+        replan_log_q=None if record is None else record.replanned,
+        replan_step=None if record is None or record.replanned is None else record.replan_step,
     )
 
 
@@ -194,15 +178,15 @@ def run_with_early_exit(model: Any, inputs: Any, rule: StopRule | Callable[[Step
     check_stepwise(model)
     check_model_inputs(model, inputs)
     rule.check_model(model)
-    if compact_every is not None and rule.plan_step is None:
+    if compact_every is not None and rule.asks_every_step:
         if record_probs:
             raise ValueError("record_probs=True is not available in device mode (compact_every)")
         return _run_device_mode(model, inputs, rule, compact_every)
     T = model.num_steps
-    check_replan_step(rule.plan_step, rule.replan_step, T)
+    rule.check_steps(T)
     run = ShrinkingBatch(model, inputs, T)
     if record_probs:
-        rule = _RecordingProbs(rule, run.B, T, run.active.device)
+        rule = RecordingProbs(rule, run.B, T, run.active.device)
     asks, reads = rule.ask_steps(T), rule.read_steps(T)  # (and the model is read out where planned rows stop)
     running: list[int] | None = None  # after a plan: running[t] = rows still running after step t
     output = previous = None
@@ -237,28 +221,6 @@ def refuse_nan_scores(rule: StopRule) -> None:
         raise ValueError(f"the stopping policy returned NaN stop logits at step {t} for {rows} of {n} running "
                          f"sample(s); a NaN stop probability never stops a sample (it would run to the last step): "
                          f"check the policy's weights and what it reads")
-
-
-class _RecordingProbs(StopRule):
-    """A per-step rule that records the stop probabilities it reports (``last_probs``) at each step it is asked."""
-
-    def __init__(self, rule: StopRule, B: int, T: int, device: torch.device):
-        if rule.plan_step is not None:
-            raise ValueError("record_probs=True needs a per-step rule; this rule plans the depth")
-        self.rule = rule
-        self.first_step, self.reads_previous = rule.first_step, rule.reads_previous
-        self.probs = torch.full((B, max(T - 1, 0)), float("nan"), device=device)
-
-    def __call__(self, view: StepView) -> Tensor:
-        stop = self.rule.decide(view)
-        reported = self.rule.last_probs
-        if reported is None:
-            raise ValueError("record_probs=True needs a rule that reports stop probabilities (PolicyRule)")
-        self.probs[view.index, view.t - 1] = reported.to(self.probs)
-        return stop
-
-    def nan_scores(self) -> tuple[int, int, int] | None:
-        return self.rule.nan_scores()
 
 
 def _run_device_mode(model: Any, inputs: Any, rule: StopRule, compact_every: int) -> Rollout:

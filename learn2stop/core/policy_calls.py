@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from .protocols import member
-from .trees import tree_leaves
+from .trees import tree_detach, tree_leaves
 
 
 #: logit used for steps a policy declares it never stops at (sigmoid(-50) ~ 2e-22).
@@ -97,3 +97,42 @@ def planned_logits(policy: nn.Module, inputs: Any, output: Any, t: int, B: int, 
     if t > 1:
         logits = torch.cat([logits.new_full((B, t - 1), NEVER_STOP_LOGIT), logits[:, t - 1:]], dim=1)
     return logits
+
+
+class PolicyRecord:
+    """What a full unroll records of a stopping policy, step by step: a per-step policy's stop logits at steps
+    1..T-1 (from its ``min_step``), a planning policy's one plan at its ``plan_step`` and, for a re-planning one, its
+    second plan at ``replan_step``. The loop hands it each step's output and knows nothing of how the policy decides.
+
+    ``model_grad`` False (Stage II: theta frozen) feeds the policy detached outputs, so only the policy gets
+    gradients.
+    """
+
+    def __init__(self, policy: nn.Module, B: int, T: int, model_grad: bool = True):
+        self.policy, self.B, self.T, self.model_grad = policy, B, T, model_grad
+        self.plan_step = member(policy, "plan_step")
+        self.replan_step = member(policy, "replan_step") if self.plan_step is not None else None
+        check_replan_step(self.plan_step, self.replan_step, T)
+        self.logits: list[Tensor] = []
+        self.planned = self.replanned = self.previous = None
+
+    def observe(self, t: int, inputs: Any, output: Any) -> None:
+        """Record what the policy says of step t's output (called at every step 1..T)."""
+        seen = output if self.model_grad else tree_detach(output)
+        if t < self.T:
+            if self.plan_step is None:
+                self.logits.append(policy_logits(self.policy, inputs, seen, t, self.B))
+            elif t == self.plan_step:
+                self.planned = planned_logits(self.policy, inputs, seen, t, self.B, self.T)
+        if self.replan_step is not None and t in (self.replan_step - 1, self.replan_step):
+            if t == self.replan_step:
+                self.replanned = replan_log_q(self.policy, inputs, seen, self.previous, t, self.B, self.T)
+            self.previous = seen
+
+    def stop_logits(self, device: torch.device | None) -> Tensor:
+        """(B, T-1) stop logits of steps 1..T-1 (a re-planning policy's: its first plan's)."""
+        if self.planned is not None:
+            return self.planned
+        if self.logits:
+            return torch.stack(self.logits, dim=1)
+        return torch.full((self.B, self.T - 1), NEVER_STOP_LOGIT, device=device)

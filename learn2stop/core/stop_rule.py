@@ -15,6 +15,8 @@ from typing import Any, Collection
 import torch
 from torch import Tensor
 
+from .policy_calls import check_replan_step
+
 
 @dataclass
 class StepView:
@@ -99,6 +101,16 @@ class StopRule:
         model declares (:data:`~learn2stop.core.protocols.MODEL_MEMBERS`); the default reads anything."""
 
     @property
+    def asks_every_step(self) -> bool:
+        """A per-step rule: asked at every step from its first, so device mode (``compact_every``) can batch its
+        answers; a planning rule is asked only at its plan steps and needs no such mode."""
+        return self.plan_step is None
+
+    def check_steps(self, num_steps: int) -> None:
+        """Refuse, before the first step, a second plan that does not come after the first and before step T."""
+        check_replan_step(self.plan_step, self.replan_step, num_steps)
+
+    @property
     def first_ask(self) -> int:
         """The first step the loop consults the rule at: its plan step, else its first step."""
         return int(self.plan_step) if self.plan_step is not None else int(self.first_step)
@@ -128,6 +140,28 @@ class StopRule:
         if view.t == self.replan_step:
             return Plan.of(self.replan(view), view.t, view.num_steps)
         return self(view)
+
+
+class RecordingProbs(StopRule):
+    """A per-step rule that records the stop probabilities it reports (``last_probs``) at each step it is asked."""
+
+    def __init__(self, rule: StopRule, B: int, T: int, device: torch.device):
+        if rule.plan_step is not None:
+            raise ValueError("record_probs=True needs a per-step rule; this rule plans the depth")
+        self.rule = rule
+        self.first_step, self.reads_previous = rule.first_step, rule.reads_previous
+        self.probs = torch.full((B, max(T - 1, 0)), float("nan"), device=device)
+
+    def __call__(self, view: StepView) -> Tensor:
+        stop = self.rule.decide(view)
+        reported = self.rule.last_probs
+        if reported is None:
+            raise ValueError("record_probs=True needs a rule that reports stop probabilities (PolicyRule)")
+        self.probs[view.index, view.t - 1] = reported.to(self.probs)
+        return stop
+
+    def nan_scores(self) -> tuple[int, int, int] | None:
+        return self.rule.nan_scores()
 
 
 class _Declared(StopRule):
