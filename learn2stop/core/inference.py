@@ -18,7 +18,7 @@ from ..utils.config import one_of, require
 from .calibration_file import Calibration, check_param
 from .loop import Rollout
 from .policy_signals import PolicyRule, sampled_stop_times
-from .protocols import member
+from .protocols import PolicySteps
 from .rules import first_crossing
 from .signal_registry import SIGNALS, make_signal
 
@@ -27,8 +27,9 @@ def policy_rules(policy) -> tuple[str, ...]:
     """The policy rules (the registry's ``offered_by="policy"``) a policy supports: all of them for a planning
     policy, those that do not plan for a per-step one, and the planning ones alone for one that plans twice
     (``replan_step``)."""
-    plans = member(policy, "plan_step") is not None
-    if plans and member(policy, "replan_step") is not None:
+    steps = PolicySteps.of(policy)
+    plans = steps.plan is not None
+    if steps.replan is not None:
         return tuple(list_rules(offered_by="policy", plans=True))
     return tuple(list_rules(offered_by="policy") if plans else list_rules(offered_by="policy", plans=False))
 

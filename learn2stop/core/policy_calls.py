@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .protocols import member
+from .protocols import PolicySteps, member
 from .trees import tree_detach, tree_leaves
 
 
@@ -110,8 +110,8 @@ class PolicyRecord:
 
     def __init__(self, policy: nn.Module, B: int, T: int, model_grad: bool = True):
         self.policy, self.B, self.T, self.model_grad = policy, B, T, model_grad
-        self.plan_step = member(policy, "plan_step")
-        self.replan_step = member(policy, "replan_step") if self.plan_step is not None else None
+        steps = PolicySteps.of(policy)
+        self.plan_step, self.replan_step = steps.plan, steps.replan
         check_replan_step(self.plan_step, self.replan_step, T)
         self.logits: list[Tensor] = []
         self.planned = self.replanned = self.previous = None

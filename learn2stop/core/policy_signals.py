@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from ..runtime.registry import get_rule
 from .policy_calls import planned_log_q, planned_logits, policy_logits, replan_log_q, replan_scores_late
-from .protocols import member
+from .protocols import PolicySteps
 from .rules import SignalRule, first_crossing
 from .signals import StatefulSignal, StopsBelow, StopSignal, register_signal
 from .stop_rule import StepView
@@ -23,9 +23,8 @@ class _PolicyBased(StopSignal):
 
     def __init__(self, policy: nn.Module):
         self.policy = policy
-        self.plan_step = member(policy, "plan_step")
-        self.first_step = self.plan_step if self.plan_step is not None else int(member(policy, "min_step"))
-        self.replan_step = member(policy, "replan_step") if self.plan_step is not None else None
+        steps = PolicySteps.of(policy)
+        self.plan_step, self.first_step, self.replan_step = steps.plan, int(steps.first), steps.replan
         if self.replan_step is not None and not get_rule(self.name).plans:  # a planning rule reads both plans
             raise ValueError(f"the {self.name!r} rule reads one plan, and this policy plans again at step "
                              f"{self.replan_step} (replan_step): use the price rule")

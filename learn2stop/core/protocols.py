@@ -41,6 +41,7 @@ The training task's optional member:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 #: the optional members of a step-wise model and their defaults (see the module's text)
@@ -61,6 +62,24 @@ def member(obj: Any, name: str) -> Any:
     (also for ``obj`` None: no policy); a name not declared here is a KeyError, so that no reader invents one."""
     default = OPTIONAL_MEMBERS[name]
     return default if obj is None else getattr(obj, name, default)
+
+
+@dataclass(frozen=True)
+class PolicySteps:
+    """Where a stopping policy is asked, read once from its optional members: a per-step policy from ``first`` (its
+    ``min_step``) to T-1; a planning policy once, at ``plan``, and, for one that plans again, at ``replan`` (a
+    ``replan_step`` without a ``plan_step`` means nothing and reads as None)."""
+
+    first: int
+    plan: int | None
+    replan: int | None
+
+    @classmethod
+    def of(cls, policy: Any) -> "PolicySteps":
+        plan = member(policy, "plan_step")
+        if plan is not None:
+            return cls(plan, plan, member(policy, "replan_step"))
+        return cls(member(policy, "min_step"), None, None)
 
 
 @runtime_checkable

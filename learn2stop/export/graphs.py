@@ -23,7 +23,7 @@ from ..core.calibration_file import Calibration
 from ..core.inference import InferenceConfig
 from ..core.policy_calls import NEVER_STOP_LOGIT
 from ..core.steps import check_stepwise
-from ..core.protocols import member
+from ..core.protocols import PolicySteps, member
 from ..core.signal_registry import SIGNALS
 from ..core.signals import DepthSignal
 from ..core.trees import check_inputs
@@ -88,10 +88,6 @@ def rule_spec(rule: Any, source: str = "") -> dict:
             "never_stops_early": threshold is not None and not math.isfinite(threshold), "source": source}
 
 
-def _plan_step(policy: Any) -> int | None:
-    return member(policy, "plan_step")
-
-
 def _schedule(spec: dict, policy: Any, T: int) -> dict:
     """Which step graphs exist, where the readout, the policy's logit or its plan are computed."""
     name = spec["name"]
@@ -107,11 +103,11 @@ def _schedule(spec: dict, policy: Any, T: int) -> dict:
     if SIGNALS[name].needs_policy:
         if policy is None:
             raise ExportError(f"rule {name!r} needs a stopping policy, but the model has none")
-        plan = _plan_step(policy)
+        steps = PolicySteps.of(policy)
+        plan, again = steps.plan, steps.replan
         if plan is not None:
             if isinstance(plan, bool) or not isinstance(plan, int) or not 1 <= plan <= T - 1:
                 raise ExportError(f"policy.plan_step must be an integer in 1..{T - 1}; got {plan!r}")
-            again = member(policy, "replan_step")
             if again is not None and name != "price":
                 raise ExportError(f"rule {name!r} reads one plan, and this policy plans again at step {again}: "
                                   "export its price rule")
@@ -120,7 +116,7 @@ def _schedule(spec: dict, policy: Any, T: int) -> dict:
             return {"last": T, "readout": list(range(plan, T + 1)), "policy": [], "plan": plan, "replan": again}
         if name == "price":
             raise ExportError("rule 'price' reads a planned q_phi: it needs a planning policy (one with plan_step)")
-        first = max(int(member(policy, "min_step")), 1)
+        first = max(int(steps.first), 1)
         asked = list(range(first, T))
         return {"last": T, "readout": asked + [T], "policy": asked, "plan": None, "replan": None}
     return {"last": T, "readout": list(range(1, T + 1)), "policy": [], "plan": None, "replan": None}
