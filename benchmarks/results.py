@@ -160,8 +160,9 @@ def record_run(run_dir: str | Path, threads: int | None = None) -> dict:
             rule.update({"param": r.get("param"), "metric": _field(r, "metric", at),
                          "mean_steps": _field(r, "mean_steps", at), "mean_cost": _field(r, "mean_cost", at),
                          "speedup": {n: r.get("speedup", {}).get(n) for n in sizes}})
-            if "description" in r:  # what the rule is, where its name alone would mislead
-                rule["description"] = str(r["description"])
+            for key in ("description", "label"):  # what the rule is, where its name alone would mislead
+                if key in r:
+                    rule[key] = str(r[key])
         summary["rules"].append(rule)
     record = {"format": FORMAT, "run": run_dir.name, "task": task, "preset": preset, "command": command,
               "summary": summary, "tables": run_tables(run_dir)}
@@ -276,7 +277,7 @@ def summary_row(run: str, record: dict | None) -> str:
         note = ("the baseline: neither the policy rule nor a fixed depth of the stop model reaches its quality on "
                 "validation" if quickest is None else
                 f"the baseline: every certified rule of the stop model runs slower at batch {served} (the fastest, "
-                f"{quickest['rule']}, {quickest['speedup'][served]:.2f}×)")
+                f"{quickest.get('label', quickest['rule'])}, {quickest['speedup'][served]:.2f}×)")
         return f"| {task} | {base} | {note} | {_steps(T)} of {_steps(T)} | 1.00× (the baseline itself) |"
     r = rules.get(s["deployed"])
     if r is None or not r["reached"]:
