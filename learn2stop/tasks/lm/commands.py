@@ -17,7 +17,7 @@ from ...utils.report import write_json
 from ..base import RunContext, as_run
 from .config import LmConfig
 from .data import CharVocab, Splits, read_text, split_by_position
-from .generate import decode_token, folded_propagations, prefill, KVCache, check_prompt
+from .generate import ContextWindow, KVCache, check_prompt, decode_token, folded_propagations, prefill
 from .metric import score_split, windows
 from .models import StepwiseGPT
 from .train import STAGES, checkpoint_path, train_stages
@@ -155,16 +155,13 @@ def generate_command(cfg: LmConfig, run: RunContext | str | Path) -> dict:
     if prompt.shape[1] > cfg.model.context:
         raise ConfigError(f"the prompt has {prompt.shape[1]} characters, more than the model's context "
                           f"({cfg.model.context})", "prompt")
-    if prompt.shape[1] + cfg.max_new_tokens - 1 > cfg.model.context:
-        raise ConfigError(f"the prompt ({prompt.shape[1]} characters) + max_new_tokens ({cfg.max_new_tokens}) - 1 "
-                          f"exceeds the model's context ({cfg.model.context})", "max_new_tokens")
     _, _, models = load_run(cfg, run, "generate", with_data=False)
     plan = _speculative_plan(cfg, run_dir)
     if plan is not None:
         return _generate_speculative(cfg, run, vocab, prompt, models["stage1"][0], plan)
     label, gpt, rule = deployed_rule(cfg, run_dir, models)
     view = StepwiseGPT(gpt)
-    check_prompt(gpt, prompt, cfg.max_new_tokens)
+    check_prompt(gpt, prompt, cfg.max_new_tokens, window=True)
     layers = torch.tensor(gpt.cfg.exit_layers)
     out, used = sys.stdout, []
     out.write(cfg.prompt)
@@ -174,8 +171,11 @@ def generate_command(cfg: LmConfig, run: RunContext | str | Path) -> dict:
         if prompt.shape[1] > 1:
             prefill(gpt, cache, prompt[:, :-1])
         token, text, folded = prompt[:, -1], [], folded_propagations(view)
+        window = ContextWindow(gpt, cache, prompt[:, :-1])
         for _ in range(cfg.max_new_tokens):
+            window.make_room()
             logits, step = decode_token(view, cache, token, rule, folded)
+            window.fed(token[:, None])
             token = logits.argmax(-1)
             used.append(int(layers[step[0] - 1]))
             text.append(vocab.decode(token))

@@ -45,8 +45,9 @@ class KVCache:
         self.k[layer:, :, :, pos][:, rows], self.v[layer:, :, :, pos][:, rows] = k, v
 
 
-def check_prompt(gpt: GPT, prompt: Tensor, max_new_tokens: int) -> None:
-    """Refuse a prompt that the model cannot continue by ``max_new_tokens`` tokens, naming the problem."""
+def check_prompt(gpt: GPT, prompt: Tensor, max_new_tokens: int, window: bool = False) -> None:
+    """Refuse a prompt that the model cannot continue by ``max_new_tokens`` tokens, naming the problem; with
+    ``window`` (a :class:`ContextWindow` decodes) the continuation may go past the context."""
     cfg = gpt.cfg
     if not isinstance(prompt, Tensor) or prompt.dim() != 2 or prompt.dtype != torch.long:
         raise ValueError(f"prompt must be a (batch, length) tensor of token ids (torch.long); got "
@@ -60,7 +61,7 @@ def check_prompt(gpt: GPT, prompt: Tensor, max_new_tokens: int) -> None:
         raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
     if T0 > cfg.context:
         raise ValueError(f"prompt length ({T0}) exceeds the model's context ({cfg.context})")
-    if T0 + max_new_tokens - 1 > cfg.context:
+    if not window and T0 + max_new_tokens - 1 > cfg.context:
         raise ValueError(f"prompt length ({T0}) + max_new_tokens ({max_new_tokens}) - 1 exceeds the model's context "
                          f"({cfg.context}): the last new token would be predicted from beyond it")
     low, high = int(prompt.min()), int(prompt.max())
@@ -69,10 +70,38 @@ def check_prompt(gpt: GPT, prompt: Tensor, max_new_tokens: int) -> None:
                          f"vocabulary of {cfg.vocab_size} (a prompt encoded with another run's vocabulary?)")
 
 
+class ContextWindow:
+    """The tokens a KV cache holds, so that decoding can go past the model's context: when the cache is full, its
+    last ``context // 2`` tokens are run again at full depth from position 0 and decoding goes on after them.
+
+    The model's positions are absolute, so a cache shifted in place would hold keys it was never trained on; this is
+    nanoGPT's crop of the input to the last ``context`` tokens, paid once every ``context - context // 2`` tokens
+    instead of at every token. The re-run tokens get full-depth keys and values, wherever they had exited.
+    """
+
+    def __init__(self, gpt: GPT, cache: KVCache, held: Tensor):
+        self.gpt, self.cache, self.chunks = gpt, cache, [held]  # held (B, cache.length): the tokens in the cache
+        self.keep = gpt.cfg.context // 2
+
+    def fed(self, tokens: Tensor) -> None:
+        """Record tokens (B, n) just written to the cache."""
+        self.chunks.append(tokens)
+
+    def make_room(self) -> None:
+        """Before a token is fed: if the cache is full, restart it from its last ``keep`` tokens."""
+        if self.cache.length < self.gpt.cfg.context:
+            return
+        recent = torch.cat(self.chunks, 1)[:, self.cache.length - self.keep:]
+        self.cache.length = 0
+        if recent.shape[1]:
+            prefill(self.gpt, self.cache, recent)
+        self.chunks = [recent]
+
+
 @dataclass
 class Generation:
     """What :func:`generate` returns: tokens (B, T0 + n), the (B, n) 1-based exit step of each new token, and the
-    cache (positions 0..T0 + n - 2: the last new token is not fed back)."""
+    cache (the window's positions: the last new token is not fed back)."""
 
     tokens: Tensor
     exit_steps: Tensor
@@ -96,17 +125,24 @@ def generate(view: StepwiseGPT, prompt: Tensor, max_new_tokens: int, exit_rule=N
     ``exit_rule(t, logits, h, h_prev) -> (B_active,) bool`` is asked after exit step t = 1..T-1 with the rows still
     running: their (B_active, V) logits at the exit, their (B_active, C) hidden state there and at the exit before
     (the embedding at t = 1) (None: no early exit). The prompt but its last token is prefilled at full depth; every new
-    token is predicted at an exit.
+    token is predicted at an exit. The continuation may be longer than the context (:class:`ContextWindow`).
     """
     gpt = view.gpt
-    check_prompt(gpt, prompt, max_new_tokens)
+    check_prompt(gpt, prompt, max_new_tokens, window=True)
     B = prompt.shape[0]
     cache = KVCache(gpt, B, gpt.wte.weight)
     if prompt.shape[1] > 1:
         prefill(gpt, cache, prompt[:, :-1])
+    window = ContextWindow(gpt, cache, prompt[:, :-1])
     folded = folded_propagations(view) if exit_rule is not None else None
-    return greedy_continuation(prompt, max_new_tokens, cache,
-                               lambda token: decode_token(view, cache, token, exit_rule, folded))
+
+    def decode(token: Tensor) -> tuple[Tensor, Tensor]:
+        window.make_room()
+        out = decode_token(view, cache, token, exit_rule, folded)
+        window.fed(token[:, None])
+        return out
+
+    return greedy_continuation(prompt, max_new_tokens, cache, decode)
 
 
 def greedy_continuation(prompt: Tensor, max_new_tokens: int, cache, decode) -> Generation:

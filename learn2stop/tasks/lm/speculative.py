@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .generate import KVCache, check_prompt, prefill
+from .generate import ContextWindow, KVCache, check_prompt, prefill
 from .models import GPT
 
 
@@ -36,8 +36,10 @@ class SpeculativeResult:
 def self_speculative_decode(gpt: GPT, prompt: Tensor, max_new_tokens: int, draft_layer: int,
                             num_draft: int = 4) -> SpeculativeResult:
     """Greedy continuation of prompt (1, T0) by ``max_new_tokens`` tokens, drafting up to ``num_draft`` at a time with
-    the exit after ``draft_layer`` (1..L-1) and verifying them with layers draft_layer+1..L in one pass."""
-    check_prompt(gpt, prompt, max_new_tokens)
+    the exit after ``draft_layer`` (1..L-1) and verifying them with layers draft_layer+1..L in one pass. Past the
+    context, the cache restarts where greedy decoding's does (:class:`~.generate.ContextWindow`: a round never
+    crosses a full cache), so the tokens stay greedy decoding's."""
+    check_prompt(gpt, prompt, max_new_tokens, window=True)
     L = gpt.cfg.n_layer
     if prompt.shape[0] != 1:
         raise ValueError(f"self-speculative decoding runs one sequence at a time (prompt batch 1); got batch "
@@ -50,9 +52,11 @@ def self_speculative_decode(gpt: GPT, prompt: Tensor, max_new_tokens: int, draft
     cache = KVCache(gpt, 1, gpt.wte.weight)
     if prompt.shape[1] > 1:
         prefill(gpt, cache, prompt[:, :-1])
+    window = ContextWindow(gpt, cache, prompt[:, :-1])
     token, out = prompt[:, -1], []  # token (1,): the next one to feed, at position cache.length
     drafted = accepted = passes = 0
     while len(out) < max_new_tokens:
+        window.make_room()
         n = cache.length  # every layer holds positions 0..n-1
         m = min(num_draft, max_new_tokens - len(out) - 1, gpt.cfg.context - 1 - n)  # drafts this round
         hidden, drafts = _draft(gpt, cache, token, n, m, draft_layer)  # (1, m + 1, C), m tokens
@@ -67,6 +71,7 @@ def self_speculative_decode(gpt: GPT, prompt: Tensor, max_new_tokens: int, draft
         out.extend([*drafts[:j].tolist(), int(full[j])])
         drafted, accepted, passes = drafted + m, accepted + j, passes + 1
         cache.length = n + j + 1  # token and the accepted drafts, at every layer
+        window.fed(torch.cat([token, drafts[:j]])[None])
         token = full[j:j + 1]
     tokens = torch.cat([prompt, torch.tensor([out], dtype=torch.long, device=prompt.device)], 1)
     return SpeculativeResult(tokens, drafted, accepted, passes)

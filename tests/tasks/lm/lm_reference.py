@@ -55,8 +55,12 @@ def reference_run(gpt: GPT, idx: torch.Tensor, exit_layer: list[int]):
 
 
 def greedy_reference(gpt: GPT, prompt: torch.Tensor, n: int) -> torch.Tensor:
-    """Full-depth greedy continuation of prompt (B, T0) by n tokens, the whole sequence re-run each time (no cache)."""
-    tokens = prompt
+    """Full-depth greedy continuation of prompt (B, T0) by n tokens, the whole window re-run each time (no cache).
+    The window is the tokens since ``start``; once it would pass the context (the cache full before the next token),
+    it restarts from the last context // 2 tokens fed before the newest one."""
+    tokens, start, C = prompt, 0, gpt.cfg.context
     for _ in range(n):
-        tokens = torch.cat([tokens, gpt(tokens)[:, -1].argmax(-1, keepdim=True)], 1)
+        if tokens.shape[1] - start > C:
+            start = tokens.shape[1] - 1 - C // 2
+        tokens = torch.cat([tokens, gpt(tokens[:, start:])[:, -1].argmax(-1, keepdim=True)], 1)
     return tokens

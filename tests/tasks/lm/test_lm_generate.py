@@ -157,7 +157,6 @@ def test_speculative_decoding_reaches_the_end_of_the_context():
     (torch.zeros(2, 3, dtype=torch.long), -2, "max_new_tokens"),
     (torch.zeros(2, 3, dtype=torch.long), True, "max_new_tokens"),
     (torch.zeros(2, 25, dtype=torch.long), 1, r"prompt length \(25\) exceeds the model's context \(24\)"),
-    (torch.zeros(2, 20, dtype=torch.long), 6, "exceeds the model's context"),
     (torch.full((2, 3), 13), 4, "outside the model's vocabulary of 13"),
     (torch.full((2, 3), -1), 4, "outside the model's vocabulary"),
     (torch.zeros(2, 3), 4, "torch.long"),
@@ -168,6 +167,27 @@ def test_bad_generation_input_is_refused_naming_the_problem(prompt, n, match):
         generate(StepwiseGPT(gpt), prompt, n)
     with pytest.raises(ValueError, match=match):
         self_speculative_decode(gpt, prompt[:1] if len(prompt) else prompt, n, 2)
+
+
+@pytest.mark.parametrize("context", [10, 11])
+def test_generation_goes_past_the_context_in_a_restarted_window(context):
+    gpt = tiny_gpt(23, context=context)
+    prompt = prompts(2, 4, seed=24)
+    want = greedy_reference(gpt, prompt, 3 * context)  # the window restarts several times
+    assert torch.equal(generate(StepwiseGPT(gpt), prompt, 3 * context).tokens, want)
+    for draft in (1, 4):  # a round never crosses a full cache: still greedy decoding's tokens
+        assert torch.equal(self_speculative_decode(gpt, prompt[:1], 3 * context, 2, draft).tokens, want[:1])
+
+
+def test_early_exit_past_the_context_keeps_its_exits():
+    gpt = tiny_gpt(25, context=10)
+    never = lambda t, logits, h, h_prev: torch.zeros(h.shape[0], dtype=torch.bool)  # noqa: E731
+    always = lambda t, logits, h, h_prev: torch.ones(h.shape[0], dtype=torch.bool)  # noqa: E731
+    prompt = prompts(3, 2, seed=26)
+    full = generate(StepwiseGPT(gpt), prompt, 25, never)
+    assert torch.equal(full.tokens, greedy_reference(gpt, prompt, 25))
+    first = generate(StepwiseGPT(gpt), prompt, 25, always)
+    assert first.tokens.shape == (3, 27) and bool((first.exit_steps == 1).all())
 
 
 def test_a_prompt_that_fills_the_context_still_gets_one_token():
