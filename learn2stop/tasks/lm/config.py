@@ -108,6 +108,7 @@ class LmModelConfig(GPTShape):
 
 #: deep supervision's exit weights: equal, or LayerSkip's rising with depth (w_t proportional to t)
 DEEP_WEIGHTS = ("uniform", "increasing")
+STAGE2_TARGETS = ("oracle", "risk")
 
 
 @dataclass
@@ -151,9 +152,14 @@ class LmMethodConfig:
     q* can leave the later layers untrained, and full depth collapses)."""
     deep_weights: str = "uniform"
     """Deep supervision's exit weights: uniform | increasing (LayerSkip-style, w_t proportional to t)."""
+    stage2_target: str = "oracle"
+    """What Stage II fits: oracle (forward KL to q*, the paper's) | risk (per token and exit, whether stopping there
+    loses nothing against the calibration reference's full depth, by ``calibration.risk``: a logistic regression on
+    what Learn-then-Test then certifies, so the policy ranks tokens by the risk it is calibrated on)."""
 
     def __post_init__(self):
         positive(self.beta, "method.beta")
+        one_of(self.stage2_target, STAGE2_TARGETS, "method.stage2_target")
         non_negative(self.price, "method.price")
         non_negative(self.full_depth_weight, "method.full_depth_weight")
         one_of(self.deep_weights, DEEP_WEIGHTS, "method.deep_weights")

@@ -5,7 +5,9 @@ row each, T exits): the baseline trains the last column, deep supervision a weig
 sum_t q*(t) CE_t with the oracle q*(t) proportional to exp(-(CE_t + price c_t) / beta) held fixed (the core's
 :func:`~learn2stop.core.distributions.oracle_distribution` under :func:`~learn2stop.core.distributions.log_cost_prior`,
 c_t = layers / L), and Stage II the policy's stop-time distribution fitted to q* by forward KL with the backbone
-frozen (:func:`~learn2stop.core.losses.stage2_forward_kl`). Deep supervision starts from the baseline's weights,
+frozen (:func:`~learn2stop.core.losses.stage2_forward_kl`), or, with ``method.stage2_target`` risk, its stop logits
+fitted by logistic regression to whether stopping loses nothing against the calibration reference
+(:func:`risk_batch`). Deep supervision starts from the baseline's weights,
 Stage I from deep supervision's (:data:`STARTS_FROM`). Each stage's result is one atomic checkpoint; a finished
 stage is loaded, not run again.
 """
@@ -145,6 +147,39 @@ def stage2_loss(cfg: LmConfig, gpt: GPT, policy, states: list[Tensor], logits: l
     return stage2_forward_kl(policy_stop_logits(policy, states, logits), losses, cfg.method.beta, prior)
 
 
+def risk_batch(gpt: GPT, reference: GPT, x: Tensor, y: Tensor, risk: str,
+               reads_logits: bool) -> tuple[list[Tensor], list[Tensor] | None, Tensor]:
+    """What Stage II reads with ``method.stage2_target`` risk: :func:`policy_batch`'s states and logits, and the
+    (N, E - 1) targets, 1 where stopping at exit t loses nothing against ``reference``'s full depth (``risk`` loss:
+    a cross-entropy no higher; agreement: the same greedy token), the events whose mean Learn-then-Test bounds."""
+    states, logits, losses = policy_batch(gpt, x, y, True)
+    with torch.no_grad():
+        ref = logits[-1] if reference is gpt else gpt_logits(reference, x)
+        if risk == "loss":
+            safe = losses <= exit_cross_entropy([ref], y)
+        else:
+            safe = torch.stack(logits, 1).argmax(-1) == ref.argmax(-1)[:, None]
+    return states, logits if reads_logits else None, safe[:, :-1].float()
+
+
+def gpt_logits(gpt: GPT, x: Tensor) -> Tensor:
+    """(N, V) full-depth logits of windows x (B, T), one row per token."""
+    return gpt.head(exit_states(gpt, x)[-1].flatten(0, 1))
+
+
+def stage2_risk_loss(policy, states: list[Tensor], logits: list[Tensor] | None, safe: Tensor) -> Tensor:
+    """Binary cross-entropy of the policy's (N, E - 1) stop logits against :func:`risk_batch`'s targets."""
+    return F.binary_cross_entropy_with_logits(policy_stop_logits(policy, states, logits), safe)
+
+
+def stage2_objective(cfg: LmConfig, gpt: GPT, policy, reference: GPT):
+    """Stage II's loss of a batch (x, y) under ``method.stage2_target``, ``reference`` the calibration's model."""
+    if cfg.method.stage2_target == "risk":
+        return lambda x, y: stage2_risk_loss(policy, *risk_batch(gpt, reference, x, y, cfg.calibration.risk,
+                                                                 policy.reads_logits))
+    return lambda x, y: stage2_loss(cfg, gpt, policy, *policy_batch(gpt, x, y, policy.reads_logits))
+
+
 def new_policy(cfg: LmConfig, gpt: GPT):
     """The run's untrained stopping policy for backbone ``gpt``."""
     return make_policy(cfg.model.policy, gpt.cfg.n_embd, len(gpt.cfg.exit_layers), cfg.model.policy_hidden)
@@ -178,8 +213,8 @@ def train_stages(cfg: LmConfig, run_dir: Path, train_ids: Tensor, vocab_size: in
             gpt = models["stage1"][0]
             policy = new_policy(cfg, gpt)
             policy.fit_scale(*policy_batch(gpt, *draw(), True)[:2])
-            history = fit(policy.parameters(), lambda x, y: stage2_loss(
-                cfg, gpt, policy, *policy_batch(gpt, x, y, policy.reads_logits)), s, draw, log, stage)
+            reference = models["baseline"][0] if cfg.calibration.reference == "gpt" else gpt
+            history = fit(policy.parameters(), stage2_objective(cfg, gpt, policy, reference), s, draw, log, stage)
             models[stage] = (gpt, policy)
         else:
             gpt = copy.deepcopy(models[STARTS_FROM[stage]][0]) if stage in STARTS_FROM else GPT(gcfg)

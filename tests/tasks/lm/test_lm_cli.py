@@ -121,7 +121,8 @@ def test_train_refuses_bad_corpora_and_settings_writing_nothing(tmp_path, capsys
     ok.write_text(markov_text(3000), encoding="utf-8")
     for corpus, needle, extra in [(empty, "empty", []), (binary, "not UTF-8", []), (short, "context + 1", []),
                                   (tmp_path / "missing.txt", "data.path", []),
-                                  (ok, "baseline.batch", ["--baseline.batch", "0"])]:
+                                  (ok, "baseline.batch", ["--baseline.batch", "0"]),
+                                  (ok, "method.stage2_target", ["--method.stage2_target", "kl"])]:
         run_dir = tmp_path / "never"
         assert cli(["lm", "train", *tiny(run_dir, corpus, *extra)]) == 2
         assert needle in capsys.readouterr().err

@@ -11,8 +11,8 @@ from learn2stop.tasks.lm.data import CharVocab
 from learn2stop.tasks.lm.metric import LmTrace, calibrate_rule, score_split, trace_split, windows
 from learn2stop.tasks.lm.config import POLICIES
 from learn2stop.tasks.lm.policy import TokenExitPolicy, policy_stop_logits
-from learn2stop.tasks.lm.train import (exit_cost_fractions, new_policy, oracle_q, per_exit_losses, policy_batch,
-                                       stage2_loss, train_stages)
+from learn2stop.tasks.lm.train import (exit_cost_fractions, gpt_logits, new_policy, oracle_q, per_exit_losses,
+                                       policy_batch, risk_batch, stage2_loss, stage2_objective, train_stages)
 
 
 def markov_text(n: int, seed: int = 0) -> str:
@@ -61,6 +61,35 @@ def test_stage2_loss_is_a_kl_that_fitting_lowers(kind, hidden):
     last = float(stage2_loss(cfg, gpt, policy, states, logits, losses).detach())
     assert first >= 0 and 0 <= last < first
     assert policy.flops(65, 128) < 0.05 * 24 * 128 ** 2  # under 5 % of a block's projections
+
+
+@pytest.mark.parametrize("risk", ["loss", "agreement"])
+def test_the_risk_target_marks_the_exits_that_lose_nothing_and_fitting_it_ranks_them(risk):
+    cfg = preset("tiny", method={"stage2_target": "risk"}, calibration={"risk": risk})
+    gpt, ref = tiny_gpt(1, n_layer=3).float(), tiny_gpt(2, n_layer=3).float()
+    x = torch.randint(13, (4, 12), generator=torch.Generator().manual_seed(1))
+    y = torch.roll(x, -1, 1)
+    states, logits, safe = risk_batch(gpt, ref, x, y, risk, False)
+    assert logits is None and safe.shape == (48, 2) and set(safe.unique().tolist()) <= {0.0, 1.0}
+    _, own_logits, losses = policy_batch(gpt, x, y, True)
+    ref_logits = gpt_logits(ref, x)
+    by_hand = (losses[:, :2] <= torch.nn.functional.cross_entropy(ref_logits, y.flatten(), reduction="none")[:, None]
+               if risk == "loss" else torch.stack(own_logits[:2], 1).argmax(-1) == ref_logits.argmax(-1)[:, None])
+    assert torch.equal(safe, by_hand.float())
+    if risk == "loss":  # against its own full depth, the last exit before it is safe where its loss is no higher
+        assert torch.equal(risk_batch(gpt, gpt, x, y, risk, False)[2][:, 1], (losses[:, 1] <= losses[:, 2]).float())
+    policy = new_policy(cfg, gpt)
+    objective = stage2_objective(cfg, gpt, policy, ref)
+    opt = torch.optim.Adam(policy.parameters(), lr=0.05)
+    first = float(objective(x, y).detach())
+    for _ in range(60):
+        loss = objective(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert float(objective(x, y).detach()) < first
+    p = torch.sigmoid(policy_stop_logits(policy, states, None)).detach()
+    assert p[safe == 1].mean() > p[safe == 0].mean()  # the fitted policy ranks the safe exits first
 
 
 def test_a_policy_asked_at_one_exit_gives_that_exits_column_of_the_batch():
