@@ -118,13 +118,17 @@ class PolicyRecord:
 
     def observe(self, t: int, inputs: Any, output: Any) -> None:
         """Record what the policy says of step t's output (called at every step 1..T)."""
+        asked = t < self.T and (self.plan_step is None or t == self.plan_step)
+        again = self.replan_step is not None and t in (self.replan_step - 1, self.replan_step)
+        if not (asked or again):  # a planner's steps between its plans: nothing read, nothing detached
+            return
         seen = output if self.model_grad else tree_detach(output)
-        if t < self.T:
+        if asked:
             if self.plan_step is None:
                 self.logits.append(policy_logits(self.policy, inputs, seen, t, self.B))
-            elif t == self.plan_step:
+            else:
                 self.planned = planned_logits(self.policy, inputs, seen, t, self.B, self.T)
-        if self.replan_step is not None and t in (self.replan_step - 1, self.replan_step):
+        if again:
             if t == self.replan_step:
                 self.replanned = replan_log_q(self.policy, inputs, seen, self.previous, t, self.B, self.T)
             self.previous = seen

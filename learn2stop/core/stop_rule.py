@@ -146,7 +146,7 @@ class RecordingProbs(StopRule):
     """A per-step rule that records the stop probabilities it reports (``last_probs``) at each step it is asked."""
 
     def __init__(self, rule: StopRule, B: int, T: int, device: torch.device):
-        if rule.plan_step is not None:
+        if not rule.asks_every_step:
             raise ValueError("record_probs=True needs a per-step rule; this rule plans the depth")
         self.rule = rule
         self.first_step, self.reads_previous = rule.first_step, rule.reads_previous

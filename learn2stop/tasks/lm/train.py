@@ -154,17 +154,12 @@ def risk_batch(gpt: GPT, reference: GPT, x: Tensor, y: Tensor, risk: str,
     a cross-entropy no higher; agreement: the same greedy token), the events whose mean Learn-then-Test bounds."""
     states, logits, losses = policy_batch(gpt, x, y, True)
     with torch.no_grad():
-        ref = logits[-1] if reference is gpt else gpt_logits(reference, x)
+        ref = logits[-1] if reference is gpt else reference(x).flatten(0, 1)  # (N, V) its full depth
         if risk == "loss":
             safe = losses <= exit_cross_entropy([ref], y)
         else:
             safe = torch.stack(logits, 1).argmax(-1) == ref.argmax(-1)[:, None]
     return states, logits if reads_logits else None, safe[:, :-1].float()
-
-
-def gpt_logits(gpt: GPT, x: Tensor) -> Tensor:
-    """(N, V) full-depth logits of windows x (B, T), one row per token."""
-    return gpt.head(exit_states(gpt, x)[-1].flatten(0, 1))
 
 
 def stage2_risk_loss(policy, states: list[Tensor], logits: list[Tensor] | None, safe: Tensor) -> Tensor:

@@ -11,7 +11,7 @@ from learn2stop.tasks.lm.data import CharVocab
 from learn2stop.tasks.lm.metric import LmTrace, calibrate_rule, score_split, trace_split, windows
 from learn2stop.tasks.lm.config import POLICIES
 from learn2stop.tasks.lm.policy import TokenExitPolicy, policy_stop_logits
-from learn2stop.tasks.lm.train import (exit_cost_fractions, gpt_logits, new_policy, oracle_q, per_exit_losses,
+from learn2stop.tasks.lm.train import (exit_cost_fractions, new_policy, oracle_q, per_exit_losses,
                                        policy_batch, risk_batch, stage2_loss, stage2_objective, train_stages)
 
 
@@ -72,7 +72,7 @@ def test_the_risk_target_marks_the_exits_that_lose_nothing_and_fitting_it_ranks_
     states, logits, safe = risk_batch(gpt, ref, x, y, risk, False)
     assert logits is None and safe.shape == (48, 2) and set(safe.unique().tolist()) <= {0.0, 1.0}
     _, own_logits, losses = policy_batch(gpt, x, y, True)
-    ref_logits = gpt_logits(ref, x)
+    ref_logits = ref(x).flatten(0, 1)
     by_hand = (losses[:, :2] <= torch.nn.functional.cross_entropy(ref_logits, y.flatten(), reduction="none")[:, None]
                if risk == "loss" else torch.stack(own_logits[:2], 1).argmax(-1) == ref_logits.argmax(-1)[:, None])
     assert torch.equal(safe, by_hand.float())
