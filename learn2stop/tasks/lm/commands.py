@@ -17,7 +17,7 @@ from ...utils.report import write_json
 from ..base import RunContext, as_run
 from .config import LmConfig
 from .data import CharVocab, Splits, read_text, split_by_position
-from .generate import ContextWindow, KVCache, check_prompt, decode_token, folded_propagations, prefill
+from .generate import check_prompt, generate
 from .metric import score_split, windows
 from .models import StepwiseGPT
 from .train import STAGES, checkpoint_path, train_stages
@@ -160,34 +160,26 @@ def generate_command(cfg: LmConfig, run: RunContext | str | Path) -> dict:
     if plan is not None:
         return _generate_speculative(cfg, run, vocab, prompt, models["stage1"][0], plan)
     label, gpt, rule = deployed_rule(cfg, run_dir, models)
-    view = StepwiseGPT(gpt)
-    check_prompt(gpt, prompt, cfg.max_new_tokens, window=True)
+    check_prompt(gpt, prompt, cfg.max_new_tokens, window=True)  # before anything is written
     layers = torch.tensor(gpt.cfg.exit_layers)
     out, used = sys.stdout, []
+
+    def show(token: torch.Tensor, exit_step: torch.Tensor) -> None:
+        used.append(int(layers[exit_step[0] - 1]))
+        out.write(vocab.decode(token))
+        out.flush()
+
     out.write(cfg.prompt)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        cache = KVCache(gpt, 1, gpt.wte.weight)
-        if prompt.shape[1] > 1:
-            prefill(gpt, cache, prompt[:, :-1])
-        token, text, folded = prompt[:, -1], [], folded_propagations(view)
-        window = ContextWindow(gpt, cache, prompt[:, :-1])
-        for _ in range(cfg.max_new_tokens):
-            window.make_room()
-            logits, step = decode_token(view, cache, token, rule, folded)
-            window.fed(token[:, None])
-            token = logits.argmax(-1)
-            used.append(int(layers[step[0] - 1]))
-            text.append(vocab.decode(token))
-            out.write(text[-1])
-            out.flush()
+        tokens = generate(StepwiseGPT(gpt), prompt, cfg.max_new_tokens, rule, on_token=show).tokens
     seconds = time.perf_counter() - t0
     mean_layers = sum(used) / len(used)
     out.write("\n")
     run.log(f"[{label}] {len(used)} tokens, mean exit layer {mean_layers:.2f} of {gpt.cfg.n_layer}, "
             f"{len(used) / seconds:.1f} tokens/s")
-    return {"text": cfg.prompt + "".join(text), "mean_layers": mean_layers, "tokens_per_s": len(used) / seconds,
-            "rule": label}
+    return {"text": cfg.prompt + vocab.decode(tokens[0, prompt.shape[1]:]), "mean_layers": mean_layers,
+            "tokens_per_s": len(used) / seconds, "rule": label}
 
 
 def _speculative_plan(cfg: LmConfig, run_dir: Path) -> dict | None:

@@ -119,13 +119,14 @@ def prefill(gpt: GPT, cache: KVCache, idx: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def generate(view: StepwiseGPT, prompt: Tensor, max_new_tokens: int, exit_rule=None) -> Generation:
+def generate(view: StepwiseGPT, prompt: Tensor, max_new_tokens: int, exit_rule=None, on_token=None) -> Generation:
     """Greedy continuation of prompt (B, T0) by ``max_new_tokens`` tokens, each exiting where ``exit_rule`` says.
 
     ``exit_rule(t, logits, h, h_prev) -> (B_active,) bool`` is asked after exit step t = 1..T-1 with the rows still
     running: their (B_active, V) logits at the exit, their (B_active, C) hidden state there and at the exit before
     (the embedding at t = 1) (None: no early exit). The prompt but its last token is prefilled at full depth; every new
     token is predicted at an exit. The continuation may be longer than the context (:class:`ContextWindow`).
+    ``on_token(token (B,), exit_step (B,))`` is called with each new token as it comes (streaming).
     """
     gpt = view.gpt
     check_prompt(gpt, prompt, max_new_tokens, window=True)
@@ -142,19 +143,21 @@ def generate(view: StepwiseGPT, prompt: Tensor, max_new_tokens: int, exit_rule=N
         window.fed(token[:, None])
         return out
 
-    return greedy_continuation(prompt, max_new_tokens, cache, decode)
+    return greedy_continuation(prompt, max_new_tokens, cache, decode, on_token)
 
 
-def greedy_continuation(prompt: Tensor, max_new_tokens: int, cache, decode) -> Generation:
+def greedy_continuation(prompt: Tensor, max_new_tokens: int, cache, decode, on_token=None) -> Generation:
     """Feed the prompt's last token, then each new greedy token, ``max_new_tokens`` times through
-    ``decode(token (B,)) -> ((B, V) logits, (B,) exit steps)`` (which advances ``cache``): the one decoding loop of
-    every step-wise language model here."""
+    ``decode(token (B,)) -> ((B, V) logits, (B,) exit steps)`` (which advances ``cache``), telling ``on_token`` each
+    new token and its exit steps: the one decoding loop of every step-wise language model here."""
     token, new, exits = prompt[:, -1], [], []
     for _ in range(max_new_tokens):
         logits, exit_step = decode(token)
         token = logits.argmax(-1)
         new.append(token)
         exits.append(exit_step)
+        if on_token is not None:
+            on_token(token, exit_step)
     return Generation(torch.cat([prompt, torch.stack(new, 1)], 1), torch.stack(exits, 1), cache)
 
 
