@@ -48,6 +48,35 @@ def clt_pvalue(losses: Tensor, epsilon: float) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
+def risk_p_value(losses: Tensor, epsilon: float, loss_range: tuple[float, float] | None = None) -> float:
+    """The p-value of H0: E[loss] > epsilon from per-sample losses: Hoeffding-Bentkus for losses known to lie in
+    ``loss_range`` (finite-sample valid), else the CLT's (asymptotically valid)."""
+    if loss_range is None:
+        return clt_pvalue(losses, epsilon)
+    a, b = loss_range
+    return hoeffding_bentkus_pvalue(float((losses.double().mean() - a) / (b - a)), losses.numel(), (epsilon - a) / (b - a))
+
+
+def fixed_sequence(thresholds, losses_at, epsilon: float, delta: float,
+                   loss_range: tuple[float, float] | None = None) -> tuple[tuple | None, int]:
+    """Fixed-sequence testing (family-wise error at most delta): thresholds are tested in the given order, each
+    rejected H0 (risk > epsilon) lets the next be tested, the first that fails ends the sequence.
+
+    ``losses_at(thr) -> (losses (N,), stops (N,))`` gives the per-sample risk losses of the rule at a threshold and
+    where it stops (computed from a trace, or measured by running the model with the rule: only the thresholds
+    tested are asked). Returns ((thr, risk, stops, p) of the last certified threshold, or None; thresholds tested).
+    """
+    chosen, tested = None, 0
+    for thr in thresholds:
+        losses, stops = losses_at(thr)
+        p = risk_p_value(losses, epsilon, loss_range)
+        tested += 1
+        if p > delta:
+            break
+        chosen = (thr, float(losses.double().mean()), stops, p)
+    return chosen, tested
+
+
 def calibrate_risk(scores: Tensor, risk_losses: Tensor, epsilon: float, delta: float, signal_name: str,
                    costs: Tensor | None = None, loss_range: tuple[float, float] | None = None,
                    to_param=lambda x: x, max_candidates: int = 200) -> Calibration:
@@ -86,23 +115,24 @@ def calibrate_risk(scores: Tensor, risk_losses: Tensor, epsilon: float, delta: f
                              f"losses in that range only: declare the range the losses really have, or pass "
                              f"loss_range=None (the CLT p-value)")
     costs = costs if costs is not None else torch.arange(1, T + 1, dtype=torch.float32) / T
-    cand = candidate_thresholds(scores, max_candidates).flip(0)  # +inf (full depth) first, then ever more aggressive
-    chosen, tested = None, 0
-    for thr in cand.tolist():
+
+    def at(thr: float) -> tuple[Tensor, Tensor]:
         stops = first_crossing(scores, thr)
-        losses = risk_losses.gather(1, (stops - 1).unsqueeze(1).to(risk_losses.device)).squeeze(1).double()
-        if loss_range is not None:
-            a, b = loss_range
-            p = hoeffding_bentkus_pvalue(float((losses.mean() - a) / (b - a)), N, (epsilon - a) / (b - a))
-        else:
-            p = clt_pvalue(losses, epsilon)
-        tested += 1
-        if p > delta:
-            break
-        chosen = (thr, float(losses.mean()), stops, p)
-    if chosen is None:  # not even full depth, tested first, is certified (its risk over a reference's is above
-        stops = torch.full((N,), T)  # epsilon): never stop early, with full depth's own risk and p-value (p, above)
-        thr, risk = math.inf, float(risk_losses[:, -1].double().mean())
+        return risk_losses.gather(1, (stops - 1).unsqueeze(1).to(risk_losses.device)).squeeze(1), stops
+
+    cand = candidate_thresholds(scores, max_candidates).flip(0)  # +inf (full depth) first, then ever more aggressive
+    return certify(cand.tolist(), at, epsilon, delta, signal_name, costs, loss_range, to_param)
+
+
+def certify(thresholds, losses_at, epsilon: float, delta: float, signal_name: str, costs: Tensor,
+            loss_range: tuple[float, float] | None = None, to_param=lambda x: x) -> Calibration:
+    """The calibration record of :func:`fixed_sequence` over ``thresholds`` (the first must be +inf, full depth):
+    the last certified threshold, or never stopping early, with full depth's own risk and p-value, where not even
+    full depth is certified (its risk over a reference's is above epsilon). ``costs`` (T,) gives the mean cost."""
+    chosen, tested = fixed_sequence(thresholds, losses_at, epsilon, delta, loss_range)
+    if chosen is None:
+        losses, stops = losses_at(math.inf)
+        thr, risk, p = math.inf, float(losses.double().mean()), risk_p_value(losses, epsilon, loss_range)
     else:
         thr, risk, stops, p = chosen
     return Calibration(rule=signal_name, param=to_param(thr), threshold=thr,
@@ -110,4 +140,4 @@ def calibrate_risk(scores: Tensor, risk_losses: Tensor, epsilon: float, delta: f
                                "p_value": "hoeffding-bentkus" if loss_range is not None else "clt"},
                        calibration={"risk": risk, "p_value": p, "thresholds_tested": tested,
                                     "mean_steps": float(stops.float().mean()),
-                                    "mean_cost": float(costs[stops - 1].mean()), "samples": N})
+                                    "mean_cost": float(costs[stops - 1].mean()), "samples": int(stops.numel())})

@@ -343,3 +343,28 @@ def test_validation_with_a_price_scores_the_priced_objective(sm):
     c = exit_costs(sm.model)
     assert priced["policy"] == pytest.approx(plain["policy"] + 2.0 * float(c[stops - 1].mean()), rel=1e-5)
     assert priced["last"] == pytest.approx(plain["last"]) and priced["oracle"] > plain["oracle"]
+
+
+def test_the_fixed_sequence_asks_only_the_thresholds_it_tests_and_matches_the_trace_calibration():
+    """Fixed-sequence testing ends at the first threshold that fails: a measured risk (a model run per threshold)
+    is asked for no threshold beyond it, and certifying from a trace gives calibrate_risk's record."""
+    from learn2stop.core.calibration import candidate_thresholds
+    from learn2stop.core.risk_control import certify
+
+    g = torch.Generator().manual_seed(4)
+    N, T = 3000, 5
+    scores = torch.rand(N, T - 1, generator=g) * torch.linspace(0.3, 1.0, T - 1)
+    losses = torch.cat([(torch.rand(N, T - 1, generator=g) > scores).float() * 0.3, torch.zeros(N, 1)], 1)
+    ref = calibrate_risk(scores, losses, 0.05, 0.1, "threshold")
+    asked = []
+
+    def at(thr):
+        asked.append(thr)
+        stops = first_crossing(scores, thr)
+        return losses.gather(1, (stops - 1)[:, None])[:, 0], stops
+
+    cand = candidate_thresholds(scores, 200).flip(0).tolist()
+    cal = certify(cand, at, 0.05, 0.1, "threshold", torch.arange(1, T + 1) / T)
+    assert cal.threshold == ref.threshold and cal.calibration == ref.calibration
+    tested = ref.calibration["thresholds_tested"]
+    assert asked == cand[:tested] and 1 < tested < len(cand)  # in order, and none past the first failure

@@ -184,6 +184,9 @@ class LmCalibrationConfig:
     """The bound holds with probability >= 1 - delta."""
     max_tokens: int = 0
     """Calibrate on at most this many validation tokens (0: all)."""
+    candidates: int = 40
+    """At most this many thresholds per rule, from the validation trace's signal: each one tested is a real
+    early-exit pass over the validation split."""
 
     def __post_init__(self):
         one_of(self.risk, RISKS, "calibration.risk")
@@ -191,6 +194,7 @@ class LmCalibrationConfig:
         positive(self.epsilon, "calibration.epsilon")
         in_open_unit(self.delta, "calibration.delta")
         int_at_least(self.max_tokens, "calibration.max_tokens", 0)
+        int_at_least(self.candidates, "calibration.candidates", 2)
 
 
 @dataclass

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import torch
 
-from ...core.timing import fastest_certified
+from ...core.timing import fastest_certified, pass_spread, speed_tie
 from ...utils.report import write_json
 from .config import LmConfig
 from .generate import generate
-from .metric import (calibrate_rule, costs_of, oracle_exits, rule_for, score_split, trace_split, windows)
+from .metric import (MeasuredRisk, calibrate_rule, costs_of, oracle_exits, rule_for, score_split, trace_split,
+                     windows)
 from .models import StepwiseGPT
 from .speculative import plan_draft, self_speculative_decode
 
@@ -54,10 +55,11 @@ def _timed(fn, rounds: int) -> float:
     return best
 
 
-def _certify(c, trace, gpt, rules, gpt_trace) -> dict:
-    """Each rule's Learn-then-Test calibration under calibration settings ``c`` (:class:`LmCalibrationConfig`)."""
-    ref = gpt_trace if c.reference == "gpt" else None
-    return {r: calibrate_rule(trace, r, costs_of(gpt), c.risk, c.epsilon, c.delta, c.max_tokens, ref) for r in rules}
+def _certify(c, trace, gpt, rules, measured) -> dict:
+    """Each rule's Learn-then-Test calibration under calibration settings ``c`` (:class:`LmCalibrationConfig`),
+    its risk measured by real early exit (``measured``, a :class:`~.metric.MeasuredRisk`)."""
+    return {r: calibrate_rule(trace, r, costs_of(gpt), c.risk, c.epsilon, c.delta, c.max_tokens,
+                              measured=measured, candidates=c.candidates) for r in rules}
 
 
 def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
@@ -71,10 +73,14 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
     deep_trace, gpt_trace = trace_split(deep, *val), trace_split(base, *val)
     exit_losses = {"GPT": gpt_trace.losses.mean(0).tolist(), "deep supervision": deep_trace.losses.mean(0).tolist(),
                    "Stage I": val_trace.losses.mean(0).tolist()}
-    cal = {"deep": _certify(cfg.calibration, deep_trace, deep, ["margin"], gpt_trace),
-           "stage1": _certify(cfg.calibration, val_trace, s1, ["policy", "margin", "saturation", "fixed"], gpt_trace)}
+    gpt_ref, kind = cfg.calibration.reference == "gpt", cfg.calibration.risk
+    measured = {"deep": MeasuredRisk(deep, *val, None, gpt_trace if gpt_ref else deep_trace, kind),
+                "stage1": MeasuredRisk(s1, *val, policy, gpt_trace if gpt_ref else val_trace, kind)}
+    backbones = {"deep": (deep_trace, deep, ["margin"]),
+                 "stage1": (val_trace, s1, ["policy", "margin", "saturation", "fixed"])}
+    cal = {k: _certify(cfg.calibration, trace, gpt, rules, measured[k]) for k, (trace, gpt, rules) in backbones.items()}
     lam = {k: {r: c.threshold for r, c in v.items()} for k, v in cal.items()}
-    by_epsilon = _certified_by_epsilon(cfg, {"deep": (deep_trace, deep), "stage1": (val_trace, s1)}, gpt_trace)
+    by_epsilon = _certified_by_epsilon(cfg, backbones, measured)
     fixed_step = lam["stage1"]["fixed"]  # a step index; its layer is the exit's
     fixed_step = int(fixed_step) if math.isfinite(fixed_step) else len(s1.cfg.exit_layers)
     fixed_k = s1.cfg.exit_layers[fixed_step - 1]
@@ -129,11 +135,12 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
                     "row": spec, "backbone": "stage1", "rule": "speculative", "expected_gain": gain,
                     "threshold": None, "certified": None, "test_mean_layers": None,
                     "generation_agreement": 1.0 if spec_ok else 0.0, "generation_mean_layers": None})
-    fastest = _deployable(cfg, results, timing, s1.cfg.n_layer)
+    fastest, tie = _deployable(cfg, results, timing, s1.cfg.n_layer)
     deployed = {"backbone": fastest["backbone"], "rule": fastest["rule"], "row": fastest["row"],
                 "chosen_by": "the fastest batch-1 generation among the plain GPT at full depth, Stage I's "
                              "certified rules and its self-speculative decoding within epsilon of its validation loss "
-                             "(ties within 2 % to fewer layers, then the GPT)",
+                             f"(ties within {100 * tie:.1f} %, the timing's spread, to fewer layers, then the GPT)",
+                "tie": tie,
                 "thresholds": {r: (None if not math.isfinite(x) else x) for r, x in lam["stage1"].items()},
                 "speculative": {"draft_layer": draft, "num_draft": n_draft},
                 "calibration": {k: {r: c.to_dict() for r, c in v.items()} for k, v in cal.items()}}
@@ -152,25 +159,25 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
 EPSILONS = (0.005, 0.01, 0.02, 0.05, 0.1)
 
 
-def _certified_by_epsilon(cfg: LmConfig, traces: dict, gpt_trace) -> list[dict]:
+def _certified_by_epsilon(cfg: LmConfig, backbones: dict, measured: dict) -> list[dict]:
     """Each rule's certified mean layers on validation at each of :data:`EPSILONS` (and the run's epsilon): how much
-    of the depth a user gives up quality for, rule by rule."""
+    of the depth a user gives up quality for, rule by rule (each threshold's real early exit scored once for all)."""
     out = []
     for eps in sorted({*EPSILONS, cfg.calibration.epsilon}):
         c, at = replace(cfg.calibration, epsilon=eps), {}
-        for key, rules in (("deep", ["margin"]), ("stage1", ["policy", "margin", "saturation", "fixed"])):
-            trace, gpt = traces[key]
-            for r, cal in _certify(c, trace, gpt, rules, gpt_trace).items():
+        for key, (trace, gpt, rules) in backbones.items():
+            for r, cal in _certify(c, trace, gpt, rules, measured[key]).items():
                 at[f"{key}-{r}"] = cal.calibration["mean_cost"] * gpt.cfg.n_layer
         out.append({"epsilon": eps, "mean_layers": at})
     return out
 
 
-def _deployable(cfg: LmConfig, results: list[dict], timing: dict, L: int) -> dict:
-    """The row a user serving at batch 1 deploys: of the plain GPT at full depth, Stage I's certified rules and its
-    self-speculative decoding (Stage I's full-depth tokens), those whose validation loss is within epsilon of the
-    GPT's (a rule certified against Stage I's own full depth may still lose to the GPT), the fastest generation at
-    batch 1 (:func:`~learn2stop.core.timing.fastest_certified`)."""
+def _deployable(cfg: LmConfig, results: list[dict], timing: dict, L: int) -> tuple[dict, float]:
+    """The row a user serving at batch 1 deploys, and the tie margin used: of the plain GPT at full depth, Stage I's
+    certified rules and its self-speculative decoding (Stage I's full-depth tokens), those whose validation loss is
+    within epsilon of the GPT's (a rule certified against Stage I's own full depth may still lose to the GPT), the
+    fastest generation at batch 1 (:func:`~learn2stop.core.timing.fastest_certified`), speeds closer than the
+    timing's own spread (:func:`~learn2stop.core.timing.speed_tie`) counting as a tie."""
     gpt_row = results[0]
     eps = cfg.calibration.epsilon if cfg.calibration.risk == "loss" else 0.0
     keeps = gpt_row["val_loss"] + eps
@@ -179,30 +186,34 @@ def _deployable(cfg: LmConfig, results: list[dict], timing: dict, L: int) -> dic
                                     and r["val_loss"] <= keeps}}
     speeds = {n: timing[r["row"]]["generate"].get(1) for n, r in rows.items()}
     costs = {n: (r["test_mean_layers"] or L) / L for n, r in rows.items()}
-    return rows[fastest_certified(speeds, costs) or "baseline"]
+    tie = speed_tie([timing[r["row"]]["spread"].get(1) for r in rows.values()])
+    return rows[fastest_certified(speeds, costs, tie) or "baseline"], tie
 
 
 def _time_rows(cfg: LmConfig, rows, prompts, test, spec: str, speculative) -> dict:
-    """Generation tokens/s at each of ``eval.timing_batches`` and scoring tokens/s, every row in each round."""
+    """Generation tokens/s at each of ``eval.timing_batches`` and scoring tokens/s, every row in each round (the
+    rounds are the passes): the best pass of each, and at each batch size the spread of its passes
+    (:func:`~learn2stop.core.timing.pass_spread`), the timing's own noise."""
     n, rounds = cfg.eval.timing_tokens, cfg.eval.timing_rounds
     batches = {b: prompts[torch.arange(b) % prompts.shape[0]] for b in cfg.eval.timing_batches}
     x = test[0][:16]
-    best = {label: {"generate": {b: math.inf for b in batches}, "score": math.inf} for label, *_ in rows}
-    best[spec] = {"generate": {1: math.inf}, "score": None}
+    secs = {label: {"generate": {b: [] for b in batches}, "score": []} for label, *_ in rows}
+    secs[spec] = {"generate": {1: []}, "score": []}
     with torch.inference_mode():
         for _ in range(rounds):
             for label, key, gpt, name, lm, pol in rows:
                 rule, view = rule_for(gpt, name, lm, pol), StepwiseGPT(gpt)
                 for b, p in batches.items():
-                    best[label]["generate"][b] = min(best[label]["generate"][b],
-                                                     _timed(lambda: generate(view, p, n, rule), 1))
-                best[label]["score"] = min(best[label]["score"], _timed(lambda: score_split(gpt, x, x, rule), 1))
-            best[spec]["generate"][1] = min(best[spec]["generate"][1], _timed(
+                    secs[label]["generate"][b].append(_timed(lambda: generate(view, p, n, rule), 1))
+                secs[label]["score"].append(_timed(lambda: score_split(gpt, x, x, rule), 1))
+            secs[spec]["generate"][1].append(_timed(
                 lambda: speculative(batches[1][:1] if 1 in batches else prompts[:1], n), 1))
     out = {}
-    for label, d in best.items():
-        out[label] = {"generate": {b: b * n / s for b, s in d["generate"].items()},
-                      "score": None if d["score"] is None else x.numel() / d["score"]}
+    for label, d in secs.items():
+        speeds = {b: [b * n / s for s in ts] for b, ts in d["generate"].items()}
+        out[label] = {"generate": {b: max(v) for b, v in speeds.items()},
+                      "score": x.numel() / min(d["score"]) if d["score"] else None,
+                      "spread": {b: pass_spread(v) for b, v in speeds.items()}}
     return out
 
 

@@ -3,19 +3,23 @@ calibration of each rule, and real early-exit scoring of a split.
 
 A trace runs the backbone at full depth on non-overlapping windows of a split and keeps, per token (N rows) and exit
 (E columns): the cross-entropy, the greedy token, and the signals of every rule at exits 1..E-1 (margin,
-saturation, fixed, and the policy's stop probability when there is one). Rules are calibrated on the validation
-trace (what a rule would do with the exits alone, no propagated cache: a token's trace logits are those of a
-context that ran at full depth); their test numbers are measured by real early exit (:func:`score_split`).
+saturation, fixed, and the policy's stop probability when there is one): what a rule would do with the exits
+alone, every earlier token having run at full depth. The trace gives each rule its candidate thresholds and the
+sweeps of the frontier and the head-to-head table; a threshold is certified on what is deployed, real early exit on
+the validation split (:class:`MeasuredRisk`, :func:`score_split`: a stopped token's later layers propagated, so
+later tokens attend to them), where the trace's risk would understate the deployed model's.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ...core.risk_control import calibrate_risk
+from ...core.calibration import candidate_thresholds
+from ...core.risk_control import certify
+from ...core.rules import first_crossing
 from .models import StepwiseGPT, score_with_exits
 from .rules import make_rule, saturation, softmax_margin
 from .train import exit_cost_fractions, exit_states, oracle_q
@@ -83,19 +87,54 @@ def _columns(chunks: list[Tensor], n_t: int) -> Tensor:
     return torch.cat(per_batch, 0)
 
 
+class MeasuredRisk:
+    """Per-token risk of a rule at a threshold measured by real early exit of ``gpt`` on windows x, y (what the
+    deployed model does), over the reference trace's full depth; each (rule, threshold) is scored once."""
+
+    def __init__(self, gpt, x: Tensor, y: Tensor, policy, reference: LmTrace, kind: str):
+        if reference.losses.shape[0] != x.numel():
+            raise ValueError(f"the reference trace has {reference.losses.shape[0]} tokens, the windows {x.numel()}")
+        self.gpt, self.x, self.y, self.policy, self.reference, self.kind = gpt, x, y, policy, reference, kind
+        self._scored: dict = {}
+
+    def __call__(self, rule: str, thr: float) -> tuple[Tensor, Tensor]:
+        """(N,) risk and (N,) 1-based exit steps of ``rule`` at threshold ``thr``."""
+        key = (rule, thr) if math.isfinite(thr) else ("full", thr)  # full depth is the same for every rule
+        if key not in self._scored:
+            out = score_split(self.gpt, self.x, self.y, make_rule(*key, self.policy))
+            ref = self.reference
+            risk = (out["token_losses"] - ref.losses[:, -1] if self.kind == "loss"
+                    else (out["greedy"] != ref.greedy[:, -1]).float())
+            self._scored[key] = (risk, out["exit_steps"])
+        return self._scored[key]
+
+
 def calibrate_rule(trace: LmTrace, rule: str, costs: Tensor, kind: str, epsilon: float, delta: float,
-                   max_tokens: int = 0, reference: LmTrace | None = None):
-    """The cheapest threshold of ``rule`` certified to risk <= epsilon at level delta on the trace's tokens
-    (Learn-then-Test, :func:`~learn2stop.core.risk_control.calibrate_risk`), the risk over the reference's full
-    depth (None: the trace's own)."""
-    scores, risk = trace.signals[rule], trace.risk(kind, reference)
+                   max_tokens: int = 0, reference: LmTrace | None = None, measured: MeasuredRisk | None = None,
+                   candidates: int = 200):
+    """The cheapest threshold of ``rule`` certified to risk <= epsilon at level delta (Learn-then-Test's fixed
+    sequence from full depth down, :func:`~learn2stop.core.risk_control.certify`), over at most ``candidates``
+    thresholds drawn from the trace's signal. The risk is over the reference's full depth (None: the trace's own);
+    it is the trace's, or with ``measured`` the real early exit's on the same tokens (the trace's order)."""
+    scores = trace.signals[rule]
+    pick = None
     if max_tokens and scores.shape[0] > max_tokens:
         pick = torch.randperm(scores.shape[0], generator=torch.Generator().manual_seed(0))[:max_tokens]
-        scores, risk = scores[pick], risk[pick]
-    core_name = {"fixed": "fixed", "margin": "confidence"}.get(rule, "threshold")  # the core's signal kinds
-    cal = calibrate_risk(scores, risk, epsilon, delta, core_name, costs=costs,
-                         loss_range=(0.0, 1.0) if kind == "agreement" else None)
-    return replace(cal, rule=rule)
+        scores = scores[pick]
+    if measured is None:
+        risk = trace.risk(kind, reference)
+        risk = risk if pick is None else risk[pick]
+
+        def losses_at(thr: float) -> tuple[Tensor, Tensor]:
+            stops = first_crossing(scores, thr)
+            return risk.gather(1, (stops - 1)[:, None])[:, 0], stops
+    else:
+        def losses_at(thr: float) -> tuple[Tensor, Tensor]:
+            r, stops = measured(rule, thr)
+            return (r, stops) if pick is None else (r[pick], stops[pick])
+    thresholds = candidate_thresholds(scores, candidates).flip(0).tolist()  # +inf (full depth) first
+    return certify(thresholds, losses_at, epsilon, delta, rule, costs,
+                   loss_range=(0.0, 1.0) if kind == "agreement" else None)
 
 
 def oracle_exits(cfg, gpt, trace: LmTrace, shape) -> Tensor:
@@ -105,22 +144,24 @@ def oracle_exits(cfg, gpt, trace: LmTrace, shape) -> Tensor:
 
 @torch.no_grad()
 def score_split(gpt, x: Tensor, y: Tensor, rule, batch: int = 32, planned: Tensor | None = None) -> dict:
-    """Real early exit on windows x, y (W, T): loss, perplexity, accuracy, mean exit layer, per-token losses."""
+    """Real early exit on windows x, y (W, T): loss, perplexity, accuracy, mean exit layer; per token (in the
+    trace's order) the loss, greedy token, exit step and exit layer."""
     view = StepwiseGPT(gpt)
     layers = torch.tensor(gpt.cfg.exit_layers)
-    losses, correct, exit_layer = [], [], []
+    losses, greedy, exit_steps = [], [], []
     for i in range(0, x.shape[0], batch):
         xb, yb = x[i:i + batch], y[i:i + batch]
         r = rule if planned is None else (lambda p: (lambda t, lg, h, hp: p == t))(planned[i:i + batch])
         logits, exits = score_with_exits(view, xb, r)
         lp = logits.log_softmax(-1)
         losses.append(-lp.gather(2, yb[..., None])[..., 0].flatten())
-        correct.append((lp.argmax(-1) == yb).flatten())
-        exit_layer.append(layers[exits - 1].flatten())
-    losses, exit_layer = torch.cat(losses), torch.cat(exit_layer).float()
-    loss = float(losses.mean())
-    return {"loss": loss, "perplexity": math.exp(loss), "accuracy": float(torch.cat(correct).float().mean()),
-            "mean_layers": float(exit_layer.mean()), "token_losses": losses, "exit_layers": exit_layer}
+        greedy.append(lp.argmax(-1).flatten())
+        exit_steps.append(exits.flatten())
+    losses, greedy, exit_steps = torch.cat(losses), torch.cat(greedy), torch.cat(exit_steps)
+    loss, exit_layer = float(losses.mean()), layers[exit_steps - 1].float()
+    return {"loss": loss, "perplexity": math.exp(loss), "accuracy": float((greedy == y.flatten()).float().mean()),
+            "mean_layers": float(exit_layer.mean()), "token_losses": losses, "greedy": greedy,
+            "exit_steps": exit_steps, "exit_layers": exit_layer}
 
 
 def rule_for(gpt, name: str, lam: float, policy=None):

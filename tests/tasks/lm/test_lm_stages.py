@@ -8,7 +8,7 @@ from lm_reference import tiny_gpt
 
 from learn2stop.tasks.lm.config import preset
 from learn2stop.tasks.lm.data import CharVocab
-from learn2stop.tasks.lm.metric import LmTrace, calibrate_rule, score_split, trace_split, windows
+from learn2stop.tasks.lm.metric import LmTrace, MeasuredRisk, calibrate_rule, score_split, trace_split, windows
 from learn2stop.tasks.lm.config import POLICIES
 from learn2stop.tasks.lm.policy import TokenExitPolicy, policy_stop_logits
 from learn2stop.tasks.lm.train import (exit_cost_fractions, new_policy, oracle_q, per_exit_losses,
@@ -162,6 +162,31 @@ def test_the_trace_of_a_model_has_every_signal_per_token():
     assert all(v.shape == (30, 2) for v in tr.signals.values())
     assert torch.equal(tr.signals["fixed"][0], torch.tensor([1.0, 2.0]))
     assert torch.equal(tr.risk("loss")[:, -1], torch.zeros(30)) and bool((tr.risk("agreement") <= 1).all())
+
+
+def test_a_threshold_is_certified_on_real_early_exit_not_on_the_trace():
+    """The certified risk is that of the deployed model: real early exit, a stopped token's later layers propagated
+    (later tokens attend to them), which the full-depth trace does not see; each threshold is scored once."""
+    from learn2stop.tasks.lm.rules import make_rule
+
+    gpt = tiny_gpt(2, n_layer=4).float()
+    x = torch.randint(13, (6, 12), generator=torch.Generator().manual_seed(1))
+    y = torch.roll(x, -1, 1)
+    trace = trace_split(gpt, x, y)
+    measured = MeasuredRisk(gpt, x, y, None, trace, "loss")
+    costs = exit_cost_fractions(gpt)
+    cal = calibrate_rule(trace, "margin", costs, "loss", 0.2, 0.1, measured=measured)
+    on_trace = calibrate_rule(trace, "margin", costs, "loss", 0.2, 0.1)
+    assert cal.threshold < float("inf") and cal.calibration["mean_steps"] < 4
+    real = score_split(gpt, x, y, make_rule("margin", cal.threshold))
+    assert cal.calibration["risk"] == pytest.approx(real["loss"] - float(trace.losses[:, -1].mean()), abs=1e-6)
+    assert cal.calibration["mean_steps"] == pytest.approx(float(real["exit_steps"].float().mean()))
+    assert abs(cal.calibration["risk"] - on_trace.calibration["risk"]) > 1e-3  # the trace misjudges it
+    assert len(measured._scored) == cal.calibration["thresholds_tested"]  # full depth and each threshold tested, once
+    calibrate_rule(trace, "margin", costs, "loss", 0.2, 0.1, measured=measured)
+    assert len(measured._scored) == cal.calibration["thresholds_tested"]
+    with pytest.raises(ValueError, match="reference trace has 72 tokens, the windows 12"):
+        MeasuredRisk(gpt, x[:1], y[:1], None, trace, "loss")
 
 
 def test_the_risk_over_a_reference_is_over_its_full_depth_and_certifies_no_more_stopping():
