@@ -142,6 +142,32 @@ class StopRule:
         return self(view)
 
 
+    def decide_rows(self, view: StepView, planned: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+        """:meth:`decide` for rows that carry their own plan (the streaming runner's requests, which reach a step at
+        different times): the (B,) bool rows that stop at ``view.t`` (None at a plan made before the first step)
+        and the rows' planned stop steps (None for a per-step rule). ``planned`` is what this returned for these
+        rows before (None before their plan). At a second plan, only the rows planned past this step are planned
+        again. A planned row stops at its step with no decision."""
+        t, T = view.t, view.num_steps
+        if t == self.plan_step:
+            planned = self._checked_plan(self.plan(view), view.index, max(t, 1), T)
+            return (None if t == 0 else planned == t), planned
+        if planned is None:
+            return self(view), None
+        if t == self.replan_step:
+            late = planned > t
+            if bool(late.any()):
+                planned = torch.where(late, self._checked_plan(self.replan(view), view.index, t, T), planned)
+        return planned == t, planned
+
+    @staticmethod
+    def _checked_plan(times: Any, rows: Tensor, low: int, T: int) -> Tensor:
+        """A plan's stop steps for ``rows``, clamped to ``low``..T; anything but (B,) integer steps is refused."""
+        if not isinstance(times, Tensor) or times.shape != rows.shape or times.is_floating_point():
+            raise ValueError(f"a planning rule must return integer stop steps of shape ({rows.numel()},); got "
+                             + (f"{times.dtype} {tuple(times.shape)}" if isinstance(times, Tensor) else repr(times)))
+        return times.clamp(low, T)
+
 class RecordingProbs(StopRule):
     """A per-step rule that records the stop probabilities it reports (``last_probs``) at each step it is asked."""
 

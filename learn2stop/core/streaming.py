@@ -112,9 +112,8 @@ class StreamingRunner:
             raise TypeError(f"clock must be a function returning the time in seconds; got {clock!r}")
         self.model, self.rule, self.max_batch, self.capacity, self.clock = model, rule, max_batch, capacity, clock
         self.T = model.num_steps
-        self.plan_step = rule.plan_step
-        self.replan_step = rule.replan_step if self.plan_step is not None else None
-        self.first = rule.first_ask
+        rule.check_steps(self.T)
+        self.asks = rule.ask_steps(self.T)
         self.reads = rule.read_steps(self.T)  # as the loop; a planned request that stops elsewhere is read alone
         self.queues: list[deque[_Chunk]] = [deque() for _ in range(self.T)]  # queues[t]: ran t steps
         self._rows = [0] * self.T  # requests in each queue (kept as they come and go: a tick must not count them)
@@ -217,8 +216,8 @@ class StreamingRunner:
         model, T, rule = self.model, self.T, self.rule
         planned, state = c.planned, c.state
         if t == 1:
-            if self.plan_step == 0:
-                planned = self._checked_plan(rule.plan(StepView(0, T, c.inputs, None, None, None, c.slots)), c, 1)
+            if 0 in self.asks:  # a plan made before the first step
+                _, planned = rule.decide_rows(StepView(0, T, c.inputs, None, None, None, c.slots), None)
             state = model.initial_state(c.inputs)
         previous = c.output
         state, output = take_step(model, t, state, c.inputs, read=t in self.reads)
@@ -226,27 +225,16 @@ class StreamingRunner:
         bad = None
         if t == T:
             stop = None  # all stop
-        elif t == self.plan_step:
-            c.planned = self._checked_plan(rule.plan(StepView(t, T, c.inputs, output, None, state, c.slots)), c, t)
-            stop = c.planned == t
-        elif c.planned is not None:
-            if t == self.replan_step:  # the requests planned past this step are planned again, from the run so far
-                late = c.planned > t
-                if bool(late.any()):
-                    again = self._checked_plan(rule.replan(StepView(t, T, c.inputs, output, previous, state, c.slots)),
-                                               c, t)
-                    c.planned = torch.where(late, again, c.planned)
-            stop = c.planned == t
-        elif t >= self.first:
+        elif t in self.asks or planned is not None:
             before = rule.last_probs
-            stop = rule(StepView(t, T, c.inputs, output, previous, state, c.slots))
+            stop, c.planned = rule.decide_rows(StepView(t, T, c.inputs, output, previous, state, c.slots), planned)
             if not isinstance(stop, Tensor) or stop.shape != (len(c),) or stop.dtype != torch.bool:
                 raise ValueError(f"a stop rule must return a bool tensor of shape ({len(c)},); got "
                                  + (f"{stop.dtype} {tuple(stop.shape)}" if isinstance(stop, Tensor) else repr(stop)))
             probs, nan = rule.last_probs, rule.nan_rows()  # NaN is no decision: a reported prob, a policy's score
             if probs is not before and isinstance(probs, Tensor) and probs.shape == stop.shape:
                 nan = torch.isnan(probs) if not isinstance(nan, Tensor) else nan | torch.isnan(probs)
-            bad = nan if isinstance(nan, Tensor) and nan.shape == stop.shape else None
+            bad = nan if c.planned is None and isinstance(nan, Tensor) and nan.shape == stop.shape else None
         else:
             return None, c, None
         if stop is None:
@@ -260,13 +248,6 @@ class StreamingRunner:
         done = _rows_of(c, stop, n_stop)
         going = _rows_of(c, ~stop if bad is None else ~stop & ~bad, n_go)
         return None if done is None else self._read(done, t), going, _rows_of(c, bad, n_bad) if n_bad else None
-
-    def _checked_plan(self, times: Any, c: _Chunk, low: int) -> Tensor:
-        """A planning rule's stop steps for the rows of ``c``, clamped to ``low``..T."""
-        if not isinstance(times, Tensor) or times.shape != (len(c),) or times.is_floating_point():
-            raise ValueError(f"a planning rule must return integer stop steps of shape ({len(c)},); got "
-                             + (f"{times.dtype} {tuple(times.shape)}" if isinstance(times, Tensor) else repr(times)))
-        return times.clamp(low, self.T)
 
     def _read(self, c: _Chunk, t: int) -> _Chunk:
         """``c`` with its output at step t: planned requests are read out at their stop step only."""
