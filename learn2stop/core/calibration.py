@@ -54,6 +54,20 @@ def candidate_thresholds(scores: Tensor, max_candidates: int | None = None) -> T
     return torch.cat([vals, vals.new_full((1,), math.inf)])
 
 
+
+def cost_spaced_thresholds(scores: Tensor, costs: Tensor, n: int) -> Tensor:
+    """At most ``n`` thresholds, descending from +inf (full depth), spaced by the mean cost they give on ``scores``
+    (N, T-1), the gaps growing quadratically away from full depth: the order of a fixed sequence whose every test
+    is expensive (a model run per threshold), fine where a small quality loss is certified and coarse far from it.
+    Each is the largest threshold whose mean cost on ``scores`` is at most its target."""
+    cand = candidate_thresholds(scores)  # ascending, +inf last
+    cost = mean_cost_curve(scores, costs, cand)  # non-decreasing with the threshold
+    top, low = float(cost[-1]), float(cost.min())
+    targets = top - (top - low) * (torch.arange(1, n, dtype=torch.float64) / max(n - 1, 1)) ** 2
+    at = (torch.searchsorted(cost.double(), targets, right=True) - 1).clamp_min(0)
+    picked = cand[at].unique()
+    return torch.cat([picked.new_full((1,), math.inf), picked[picked < math.inf].flip(0)])
+
 def check_budget(budget: float, flag: str = "--budget") -> None:
     if not (isinstance(budget, (int, float)) and math.isfinite(budget) and 0 < budget <= 1):
         raise ConfigError(f"{flag}: the budget is a fraction of full depth in (0, 1]; got {budget!r}")

@@ -368,3 +368,18 @@ def test_the_fixed_sequence_asks_only_the_thresholds_it_tests_and_matches_the_tr
     assert cal.threshold == ref.threshold and cal.calibration == ref.calibration
     tested = ref.calibration["thresholds_tested"]
     assert asked == cand[:tested] and 1 < tested < len(cand)  # in order, and none past the first failure
+
+
+def test_cost_spaced_thresholds_run_from_full_depth_down_finest_near_it():
+    from learn2stop.core.calibration import cost_spaced_thresholds, mean_cost_curve
+
+    scores = torch.rand(4000, 5, generator=torch.Generator().manual_seed(2))
+    costs = torch.arange(1, 7) / 6
+    th = cost_spaced_thresholds(scores, costs, 20)
+    assert th[0] == math.inf and th.numel() <= 20 and bool((th[1:] < th[:-1]).all())
+    cost = mean_cost_curve(scores, costs, th)
+    gaps = cost[:-1] - cost[1:]
+    assert bool((gaps > 0).all()) and gaps[0] < gaps[len(gaps) // 2] < gaps[-1]  # fine near full depth
+    assert float(cost[-1]) == pytest.approx(float(costs[0]), abs=1e-6)  # down to the cheapest the trace allows
+    steps = torch.arange(1, 5.0).expand(50, 4)  # the fixed rule's signal: its thresholds are the exits
+    assert cost_spaced_thresholds(steps, torch.arange(1, 6) / 5, 40).tolist() == [math.inf, 4, 3, 2, 1]

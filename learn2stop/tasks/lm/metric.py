@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...core.calibration import candidate_thresholds
+from ...core.calibration import candidate_thresholds, cost_spaced_thresholds
 from ...core.risk_control import certify
 from ...core.rules import first_crossing
 from .models import StepwiseGPT, score_with_exits
@@ -115,7 +115,9 @@ def calibrate_rule(trace: LmTrace, rule: str, costs: Tensor, kind: str, epsilon:
     """The cheapest threshold of ``rule`` certified to risk <= epsilon at level delta (Learn-then-Test's fixed
     sequence from full depth down, :func:`~learn2stop.core.risk_control.certify`), over at most ``candidates``
     thresholds drawn from the trace's signal. The risk is over the reference's full depth (None: the trace's own);
-    it is the trace's, or with ``measured`` the real early exit's on the same tokens (the trace's order)."""
+    it is the trace's, or with ``measured`` the real early exit's on the same tokens (the trace's order), where
+    each threshold tested is a pass over the split: then the thresholds are spaced by the mean depth they give on
+    the trace, fine near full depth (:func:`~learn2stop.core.calibration.cost_spaced_thresholds`)."""
     scores = trace.signals[rule]
     pick = None
     if max_tokens and scores.shape[0] > max_tokens:
@@ -132,7 +134,8 @@ def calibrate_rule(trace: LmTrace, rule: str, costs: Tensor, kind: str, epsilon:
         def losses_at(thr: float) -> tuple[Tensor, Tensor]:
             r, stops = measured(rule, thr)
             return (r, stops) if pick is None else (r[pick], stops[pick])
-    thresholds = candidate_thresholds(scores, candidates).flip(0).tolist()  # +inf (full depth) first
+    thresholds = (candidate_thresholds(scores, candidates).flip(0) if measured is None  # +inf (full depth) first
+                  else cost_spaced_thresholds(scores, costs, candidates)).tolist()
     return certify(thresholds, losses_at, epsilon, delta, rule, costs,
                    loss_range=(0.0, 1.0) if kind == "agreement" else None)
 
