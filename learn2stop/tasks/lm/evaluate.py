@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ...core.rules import first_crossing
 from ...core.timing import fastest_certified, pass_spread, speed_tie
 from ...utils.report import write_json
 from .config import LmConfig
@@ -146,8 +147,9 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
                 "calibration": {k: {r: c.to_dict() for r, c in v.items()} for k, v in cal.items()}}
     write_json(deployed, run_dir / "deployed.json")
     h2h = _head_to_head(cfg, test_trace, costs_of(s1)) if cfg.eval.head_to_head else None
+    propagation = _propagation_against_recompute(results, test_trace, s1.cfg.exit_layers)
     out = {"results": results, "timing": timing, "deployed": deployed, "head_to_head": h2h, "exit_losses": exit_losses,
-           "by_epsilon": by_epsilon,
+           "by_epsilon": by_epsilon, "propagation": propagation,
            "prompts": int(prompts.shape[0]), "new_tokens": n_new, "test_tokens": int(test[0].numel()),
            "val_tokens": int(val[0].numel())}
     write_reports(cfg, run_dir, out, test_trace, s1)
@@ -188,6 +190,24 @@ def _deployable(cfg: LmConfig, results: list[dict], timing: dict, L: int) -> tup
     costs = {n: (r["test_mean_layers"] or L) / L for n, r in rows.items()}
     tie = speed_tie([timing[r["row"]]["spread"].get(1) for r in rows.values()])
     return rows[fastest_certified(speeds, costs, tie) or "baseline"], tie
+
+
+def _propagation_against_recompute(results: list[dict], trace, exit_layers: list[int]) -> list[dict]:
+    """What state propagation costs in quality: each early-exit rule of Stage I at its certified threshold on the
+    test split, with a stopped token's later keys and values propagated (real early exit, what is deployed) and
+    recomputed in full (the trace: every token runs every block for its cache, the exit only reads out early;
+    no block is saved). The stops may differ: later tokens' states differ with the cache they attend to."""
+    layers = torch.tensor(exit_layers, dtype=torch.float32)
+    out = []
+    for r in results:
+        if r["backbone"] != "stage1" or r["rule"] not in ("policy", "margin", "saturation") or r["threshold"] is None:
+            continue
+        stops = first_crossing(trace.signals[r["rule"]], r["threshold"])
+        out.append({"row": r["row"], "threshold": r["threshold"],
+                    "propagated_loss": r["test_loss"], "propagated_layers": r["test_mean_layers"],
+                    "recomputed_loss": float(trace.losses.gather(1, (stops - 1)[:, None]).mean()),
+                    "recomputed_layers": float(layers[stops - 1].mean())})
+    return out
 
 
 def _time_rows(cfg: LmConfig, rows, prompts, test, spec: str, speculative) -> dict:

@@ -88,6 +88,17 @@ def in_time_record(cfg, out: dict, L: int) -> dict:
             "fastest": fastest, "rows": rows}
 
 
+def propagation_table(rows: list[dict]) -> str:
+    """Each Stage I rule at its threshold on the test split: the cache of a stopped token's later layers
+    propagated (deployed) against recomputed in full (every block run for it)."""
+    headers = ["rule", "lambda", "loss, propagated", "layers, propagated", "loss, recomputed", "layers, recomputed",
+               "loss difference"]
+    return markdown_table(headers, [[r["row"], _f(r["threshold"], 4), _f(r["propagated_loss"]),
+                                     _f(r["propagated_layers"], 2), _f(r["recomputed_loss"]),
+                                     _f(r["recomputed_layers"], 2), _f(r["propagated_loss"] - r["recomputed_loss"])]
+                                    for r in rows])
+
+
 def exits_table(exit_losses: dict[str, list[float]], layers: list[int]) -> str:
     """Each backbone's mean validation loss at every exit (every token read out there, the context at full depth)."""
     headers = ["backbone"] + [f"exit {k}" for k in layers]
@@ -146,6 +157,11 @@ def write_reports(cfg, run_dir: Path, out: dict, trace, gpt) -> None:
                       f"{cfg.eval.timing_rounds}, torch.inference_mode)\n\n" + in_time_table(out) + "\n")
     write_json(in_time_record(cfg, out, L), run_dir / "in_time.json")
     write_json(out["timing"], run_dir / "timing.json")
+    if out["propagation"]:
+        write_text_atomic(run_dir / "propagation.md", "# State propagation against recomputing the skipped layers "
+                          "(test split, each rule at its certified threshold)\n\n"
+                          + propagation_table(out["propagation"]) + "\n")
+    write_json(out["propagation"], run_dir / "propagation.json")
     if out["head_to_head"]:
         write_text_atomic(run_dir / "head_to_head.md", "# The policy against CALM's rules at equal mean layers "
                           "(test trace, paired bootstrap)\n\n" + head_to_head_table(out["head_to_head"]) + "\n")
