@@ -1,4 +1,4 @@
-"""The language-model task's registration: ``learn2stop lm train | evaluate | reproduce | generate``.
+"""The language-model task's registration: ``learn2stop lm train | evaluate | reproduce | calibrate | generate``.
 
 Python API (the CLI calls exactly these)::
 
@@ -9,6 +9,7 @@ Python API (the CLI calls exactly these)::
 from __future__ import annotations
 
 from ..base import TaskSpec, register_task
+from .calibrate import calibrate
 from .commands import evaluate, generate_command, reproduce, train
 from .config import PRESETS, LmConfig
 
@@ -18,5 +19,6 @@ SPEC = register_task(TaskSpec(
                 "rules, Learn-then-Test, self-speculative decoding",
     config_class=LmConfig,
     presets=PRESETS,
-    commands={"train": train, "evaluate": evaluate, "reproduce": reproduce, "generate": generate_command},
+    commands={"train": train, "evaluate": evaluate, "reproduce": reproduce, "calibrate": calibrate,
+              "generate": generate_command},
 ))

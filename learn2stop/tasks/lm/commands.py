@@ -141,6 +141,10 @@ def deployed_rule(cfg: LmConfig, run_dir: Path, models: dict):
         base = models["baseline"][0]
         return "full depth (GPT)", base, rule_for(base, "full", math.inf)
     name = deployed["rule"] if cfg.exit_rule == "deployed" else cfg.exit_rule
+    if name not in deployed["thresholds"]:
+        raise ConfigError(f"{path} holds no threshold of the {name!r} rule (its last calibration fitted "
+                          f"{', '.join(deployed['thresholds'])}): run 'learn2stop lm calibrate --rule {name}' "
+                          f"(or --fastest)", "exit_rule")
     lam = deployed["thresholds"][name]
     lam = math.inf if lam is None else lam
     return f"Stage I + {name} (lambda {lam:.4g})", gpt, rule_for(gpt, name, lam, policy)

@@ -28,7 +28,7 @@ from .models import StepwiseGPT
 from .speculative import plan_draft, self_speculative_decode
 
 
-def _prompts(cfg: LmConfig, ids: torch.Tensor) -> torch.Tensor:
+def prompts_of(cfg: LmConfig, ids: torch.Tensor) -> torch.Tensor:
     """``eval.prompts`` prompts of ``eval.prompt_length`` tokens from seeded positions of the test split."""
     n = cfg.eval.prompt_length
     starts = torch.randint(ids.numel() - n, (cfg.eval.prompts,), generator=torch.Generator().manual_seed(cfg.seed + 7))
@@ -99,7 +99,7 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
     val_planned = oracle_exits(cfg, s1, val_trace, val[0].shape)
     agree = {k: float((val_trace.greedy[:, e] == val_trace.greedy[:, -1]).float().mean())
              for e, k in enumerate(s1.cfg.exit_layers[:-1])}
-    prompts = _prompts(cfg, splits.test)
+    prompts = prompts_of(cfg, splits.test)
     n_new = cfg.eval.new_tokens
     reference = {k: _generate_all(StepwiseGPT(m), prompts, n_new, None)[0]
                  for k, m in (("baseline", base), ("deep", deep), ("stage1", s1))}
@@ -128,7 +128,7 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
     spec = f"self-speculative (draft layer {draft}, {n_draft} drafts)"
     log(f"timing generation and scoring ... ({spec}: {gain:.2f}x greedy's tokens per layer run expected from the "
         f"exits' agreement on validation)")
-    timing = _time_rows(cfg, rows, prompts, test, spec, lambda p, n: self_speculative_decode(s1, p, n, draft, n_draft))
+    timing = time_rows(cfg, rows, prompts, test, spec, lambda p, n: self_speculative_decode(s1, p, n, draft, n_draft))
     spec_ok = all(torch.equal(self_speculative_decode(s1, prompts[i:i + 1], n_new, draft, n_draft)
                               .tokens[0, prompts.shape[1]:], reference["stage1"][i]) for i in range(min(10, prompts.shape[0])))
     full_row = next(r for r in results if r["row"] == "Stage I, full depth")
@@ -136,7 +136,7 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
                     "row": spec, "backbone": "stage1", "rule": "speculative", "expected_gain": gain,
                     "threshold": None, "certified": None, "test_mean_layers": None,
                     "generation_agreement": 1.0 if spec_ok else 0.0, "generation_mean_layers": None})
-    fastest, tie = _deployable(cfg, results, timing, s1.cfg.n_layer)
+    fastest, tie = deployable(within_epsilon(cfg, results), timing, s1.cfg.n_layer)
     deployed = {"backbone": fastest["backbone"], "rule": fastest["rule"], "row": fastest["row"],
                 "chosen_by": "the fastest batch-1 generation among the plain GPT at full depth, Stage I's "
                              "certified rules and its self-speculative decoding within epsilon of its validation loss "
@@ -174,21 +174,27 @@ def _certified_by_epsilon(cfg: LmConfig, backbones: dict, measured: dict) -> lis
     return out
 
 
-def _deployable(cfg: LmConfig, results: list[dict], timing: dict, L: int) -> tuple[dict, float]:
-    """The row a user serving at batch 1 deploys, and the tie margin used: of the plain GPT at full depth, Stage I's
-    certified rules and its self-speculative decoding (Stage I's full-depth tokens), those whose validation loss is
-    within epsilon of the GPT's (a rule certified against Stage I's own full depth may still lose to the GPT), the
-    fastest generation at batch 1 (:func:`~learn2stop.core.timing.fastest_certified`), speeds closer than the
-    timing's own spread (:func:`~learn2stop.core.timing.speed_tie`) counting as a tie."""
+def within_epsilon(cfg: LmConfig, results: list[dict]) -> dict[str, dict]:
+    """The rows a user may deploy, by rule name: the plain GPT at full depth ("baseline", ``results[0]``), and Stage
+    I's certified rules and its self-speculative decoding (Stage I's full-depth tokens) whose validation loss is
+    within epsilon of the GPT's (a rule certified against Stage I's own full depth may still lose to the GPT)."""
     gpt_row = results[0]
-    eps = cfg.calibration.epsilon if cfg.calibration.risk == "loss" else 0.0
-    keeps = gpt_row["val_loss"] + eps
-    rows = {"baseline": gpt_row, **{r["rule"]: r for r in results if r["backbone"] == "stage1" and r["rule"] in
+    keeps = gpt_row["val_loss"] + (cfg.calibration.epsilon if cfg.calibration.risk == "loss" else 0.0)
+    return {"baseline": gpt_row, **{r["rule"]: r for r in results if r["backbone"] == "stage1" and r["rule"] in
                                     ("policy", "margin", "saturation", "fixed", "speculative")
                                     and r["val_loss"] <= keeps}}
-    speeds = {n: timing[r["row"]]["generate"].get(1) for n, r in rows.items()}
-    costs = {n: (r["test_mean_layers"] or L) / L for n, r in rows.items()}
-    tie = speed_tie([timing[r["row"]]["spread"].get(1) for r in rows.values()])
+
+
+def deployable(rows: dict[str, dict], timing: dict, L: int, batch: int = 1,
+               layers: str = "test_mean_layers") -> tuple[dict, float]:
+    """Of ``rows`` (rule name -> row; "baseline" the plain GPT), the one a user serving at ``batch`` deploys, and
+    the tie margin used: the fastest generation there (:func:`~learn2stop.core.timing.fastest_certified`), speeds
+    closer than the timing's own spread (:func:`~learn2stop.core.timing.speed_tie`) counting as a tie that goes to
+    fewer layers (the row's ``layers``), then to the GPT."""
+    timed = {n: timing[r["row"]] for n, r in rows.items() if r["row"] in timing}
+    speeds = {n: t["generate"].get(batch) for n, t in timed.items()}
+    costs = {n: (r.get(layers) or L) / L for n, r in rows.items()}
+    tie = speed_tie([t["spread"].get(batch) for t in timed.values()])
     return rows[fastest_certified(speeds, costs, tie) or "baseline"], tie
 
 
@@ -210,15 +216,17 @@ def _propagation_against_recompute(results: list[dict], trace, exit_layers: list
     return out
 
 
-def _time_rows(cfg: LmConfig, rows, prompts, test, spec: str, speculative) -> dict:
+def time_rows(cfg: LmConfig, rows, prompts, test, spec: str | None = None, speculative=None) -> dict:
     """Generation tokens/s at each of ``eval.timing_batches`` and scoring tokens/s, every row in each round (the
     rounds are the passes): the best pass of each, and at each batch size the spread of its passes
-    (:func:`~learn2stop.core.timing.pass_spread`), the timing's own noise."""
+    (:func:`~learn2stop.core.timing.pass_spread`), the timing's own noise. ``speculative(prompt, n)``, timed at
+    batch 1 as row ``spec``, where given."""
     n, rounds = cfg.eval.timing_tokens, cfg.eval.timing_rounds
     batches = {b: prompts[torch.arange(b) % prompts.shape[0]] for b in cfg.eval.timing_batches}
     x = test[0][:16]
     secs = {label: {"generate": {b: [] for b in batches}, "score": []} for label, *_ in rows}
-    secs[spec] = {"generate": {1: []}, "score": []}
+    if spec is not None:
+        secs[spec] = {"generate": {1: []}, "score": []}
     with torch.inference_mode():
         for _ in range(rounds):
             for label, key, gpt, name, lm, pol in rows:
@@ -226,8 +234,9 @@ def _time_rows(cfg: LmConfig, rows, prompts, test, spec: str, speculative) -> di
                 for b, p in batches.items():
                     secs[label]["generate"][b].append(_timed(lambda: generate(view, p, n, rule), 1))
                 secs[label]["score"].append(_timed(lambda: score_split(gpt, x, x, rule), 1))
-            secs[spec]["generate"][1].append(_timed(
-                lambda: speculative(batches[1][:1] if 1 in batches else prompts[:1], n), 1))
+            if spec is not None:
+                secs[spec]["generate"][1].append(_timed(
+                    lambda: speculative(batches[1][:1] if 1 in batches else prompts[:1], n), 1))
     out = {}
     for label, d in secs.items():
         speeds = {b: [b * n / s for s in ts] for b, ts in d["generate"].items()}

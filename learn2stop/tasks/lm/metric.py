@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ...core.calibration import candidate_thresholds, cost_spaced_thresholds
+from ...core.calibration_file import Calibration
 from ...core.risk_control import certify
 from ...core.rules import first_crossing
 from .models import StepwiseGPT, score_with_exits
@@ -139,6 +140,24 @@ def calibrate_rule(trace: LmTrace, rule: str, costs: Tensor, kind: str, epsilon:
     return certify(thresholds, losses_at, epsilon, delta, rule, costs,
                    loss_range=(0.0, 1.0) if kind == "agreement" else None)
 
+
+
+def budget_rule(trace: LmTrace, rule: str, costs: Tensor, budget: float, measured: MeasuredRisk,
+                candidates: int = 200):
+    """The least aggressive threshold of ``rule`` whose real early exit on the measured split costs at most
+    ``budget`` of full depth (thresholds spaced by the trace's mean cost, from full depth down: the first that
+    meets the budget keeps the most quality); its validation risk is reported, not bounded."""
+    scores = trace.signals[rule]
+    tested, thr, risk, stops = 0, math.inf, None, None
+    for thr in cost_spaced_thresholds(scores, costs, candidates).tolist():
+        risk, stops = measured(rule, thr)
+        tested += 1
+        if float(costs[stops - 1].mean()) <= budget:
+            break
+    return Calibration(rule=rule, param=thr, threshold=thr, target={"kind": "budget", "budget": float(budget)},
+                       calibration={"risk": float(risk.double().mean()), "thresholds_tested": tested,
+                                    "mean_steps": float(stops.float().mean()),
+                                    "mean_cost": float(costs[stops - 1].mean()), "samples": int(stops.numel())})
 
 def oracle_exits(cfg, gpt, trace: LmTrace, shape) -> Tensor:
     """Each token's MAP exit under the oracle q* (labels needed: a bound), 1-based, (W, T)."""

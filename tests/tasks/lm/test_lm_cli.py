@@ -97,6 +97,39 @@ def test_generate_streams_text_and_reports_depth_and_speed(trained, capsys):
     assert "was trained with" in capsys.readouterr().err  # a preset asked for is still checked against the run
 
 
+
+def test_calibrate_certifies_a_new_epsilon_on_real_early_exit_and_keeps_the_deployment_it_replaces(trained, tmp_path,
+                                                                                                   capsys):
+    import shutil
+
+    src, corpus = trained
+    run_dir = tmp_path / "run"
+    shutil.copytree(src, run_dir, ignore=shutil.ignore_patterns(".lock"))
+    before = (run_dir / "deployed.json").read_text()
+    assert main(["lm", "calibrate", *tiny(run_dir, corpus, "--epsilon", "0.2", "--fastest")]) == 0
+    out = capsys.readouterr().out
+    assert "gen tok/s b=1" in out and "(deployed)" in out
+    assert (run_dir / "deployed.previous.json").read_text() == before
+    deployed = json.loads((run_dir / "deployed.json").read_text())
+    assert set(deployed["thresholds"]) == {"policy", "margin", "saturation", "fixed"} and deployed["target"] == 0.2
+    for cal in deployed["calibration"]["stage1"].values():
+        assert cal["target"]["epsilon"] == 0.2 and (cal["calibration"]["risk"] <= 0.2 or cal["threshold"] is None)
+    assert main(["lm", "calibrate", *tiny(run_dir, corpus, "--budget", "0.5", "--rule", "saturation")]) == 0
+    capsys.readouterr()
+    deployed = json.loads((run_dir / "deployed.json").read_text())
+    assert deployed["rule"] == "saturation" and list(deployed["thresholds"]) == ["saturation"]
+    assert deployed["calibration"]["stage1"]["saturation"]["calibration"]["mean_cost"] <= 0.5
+    assert main(["lm", "generate", *tiny(run_dir, corpus, "--prompt", markov_text(3), "--max-new-tokens", "5")]) == 0
+    assert "saturation" in capsys.readouterr().out  # generate serves what calibrate deployed
+    assert cli(["lm", "generate", *tiny(run_dir, corpus, "--prompt", "ab", "--exit_rule", "margin")]) == 2
+    assert "no threshold of the 'margin' rule" in capsys.readouterr().err
+    for args, needle in [(["--epsilon", "0.1", "--rule", "bogus"], "--rule: the language model's rules"),
+                         (["--epsilon", "0.1", "--speed-batch", "4"], "--speed-batch"),
+                         (["--epsilon", "0.1", "--rule", "margin", "--fastest"], "give one or the other"),
+                         ([], "exactly one target")]:
+        assert cli(["lm", "calibrate", *tiny(run_dir, corpus, *args)]) == 2, args
+        assert needle in capsys.readouterr().err
+
 def cli(args: list[str]) -> int:
     """The exit code of ``learn2stop ...`` (a refused flag exits through argparse, code 2)."""
     try:
