@@ -17,37 +17,65 @@ from ...utils.report import write_json
 from ..base import RunContext, as_run
 from .config import LmConfig
 from .data import CharVocab, Splits, read_text, split_by_position
+from .tokenizer import Vocab
 from .generate import check_prompt, generate
 from .metric import score_split, windows
 from .models import StepwiseGPT
 from .train import STAGES, checkpoint_path, train_stages
 
 
-def load_data(cfg: LmConfig, vocab: CharVocab | None = None) -> tuple[CharVocab, Splits]:
-    """The corpus of ``data.path`` (with the run's vocabulary when given), each split checked against the context."""
+def load_data(cfg: LmConfig, vocab: Vocab | None = None) -> tuple[Vocab, Splits]:
+    """The corpus of ``data.path`` and its vocabulary (the run's when given, else the text's characters or a BPE
+    learned from the training part of it, ``data.tokenizer``), each split checked against the context."""
     path = Path(cfg.data.path)
     if not path.is_file():
         raise FileNotFoundError(f"data.path: no text file at {path} (give --data.path FILE)")
     text = read_text(path)
+    if vocab is None and cfg.data.tokenizer == "bpe":
+        from .tokenizer import BPEVocab
+
+        vocab = BPEVocab.train(text[:int(len(text) * cfg.data.train_fraction)], cfg.data.vocab_size)
     vocab = vocab or CharVocab.of(text)
     splits = split_by_position(vocab.encode(text, what=f"data.path {path}"), cfg.data.train_fraction)
     need = cfg.model.context + 1
     for name in ("train", "val", "test"):
         n = getattr(splits, name).numel()
         if n < need:
-            raise ValueError(f"data.path: the {name} split of {path} has {n} characters, fewer than the context + 1 "
+            raise ValueError(f"data.path: the {name} split of {path} has {n} tokens, fewer than the context + 1 "
                              f"({need}); give a longer corpus or a smaller --model.context")
     return vocab, splits
 
 
-def run_vocab(run_dir: Path) -> CharVocab:
-    """The vocabulary a run was trained with (``vocab.json``)."""
+#: where a run keeps its vocabulary: the characters, or the BPE tokenizer's JSON
+VOCAB_FILES = {"char": "vocab.json", "bpe": "tokenizer.json"}
+
+
+def save_vocab(vocab: Vocab, run_dir: Path) -> None:
+    from .tokenizer import BPEVocab
+
+    if isinstance(vocab, BPEVocab):
+        vocab.save(run_dir / VOCAB_FILES["bpe"])
+    else:
+        write_json({"chars": vocab.chars}, run_dir / VOCAB_FILES["char"])
+
+
+def run_vocab(run_dir: Path) -> Vocab:
+    """The vocabulary a run was trained with (``vocab.json``, or ``tokenizer.json`` for a BPE)."""
     import json
 
-    path = Path(run_dir) / "vocab.json"
+    run_dir = Path(run_dir)
+    if (run_dir / VOCAB_FILES["bpe"]).is_file():
+        from .tokenizer import BPEVocab
+
+        return BPEVocab.load(run_dir / VOCAB_FILES["bpe"])
+    path = run_dir / VOCAB_FILES["char"]
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no vocab.json: not a trained lm run (run 'learn2stop lm train')")
     return CharVocab(json.loads(path.read_text(encoding="utf-8"))["chars"])
+
+
+def has_vocab(run_dir: Path) -> bool:
+    return any((Path(run_dir) / f).is_file() for f in VOCAB_FILES.values())
 
 
 def _val_summary(cfg: LmConfig, splits: Splits):
@@ -67,9 +95,9 @@ def train(cfg: LmConfig, run: RunContext | str | Path) -> dict:
     vocab, splits = load_data(cfg)  # before the run directory is touched
     run.prepare(cfg, "train")
     run_dir = Path(run.run_dir)
-    if (run_dir / "vocab.json").is_file() and run_vocab(run_dir) != vocab:
+    if has_vocab(run_dir) and run_vocab(run_dir) != vocab:
         raise ValueError(f"data.path: the corpus's vocabulary differs from the one {run_dir} was trained with")
-    write_json({"chars": vocab.chars}, run_dir / "vocab.json")
+    save_vocab(vocab, run_dir)
     t0 = time.perf_counter()
     out = train_stages(cfg, run_dir, splits.train, len(vocab), run.log, _val_summary(cfg, splits))
     for stage, s in out["summary"].items():
@@ -200,7 +228,7 @@ def _speculative_plan(cfg: LmConfig, run_dir: Path) -> dict | None:
     return deployed["speculative"]
 
 
-def _generate_speculative(cfg: LmConfig, run: RunContext, vocab: CharVocab, prompt: torch.Tensor, gpt, plan: dict):
+def _generate_speculative(cfg: LmConfig, run: RunContext, vocab: Vocab, prompt: torch.Tensor, gpt, plan: dict):
     """Stage I's full-depth greedy continuation by self-speculative decoding (batch 1): the text, its acceptance and
     tokens/s."""
     from .speculative import self_speculative_decode

@@ -74,13 +74,20 @@ class LmDataConfig:
     """The corpus: one UTF-8 text file, split by position into train / validation / test."""
 
     path: str = "../shared/data/tinyshakespeare/input.txt"
-    """The text file (its characters are the vocabulary)."""
+    """The text file."""
     train_fraction: float = 0.9
     """The first this share of the text trains; the rest is halved into validation then test."""
+    tokenizer: str = "char"
+    """char (the text's characters are the vocabulary) | bpe (a byte-level BPE learned from the training part of
+    the text with the ``tokenizers`` library, for word-level corpora; ``pip install 'learn2stop[lm]'``)."""
+    vocab_size: int = 1024
+    """With ``tokenizer bpe``: the most tokens it learns (the 256 bytes and merges; at least 256)."""
 
     def __post_init__(self):
         require(isinstance(self.path, str) and self.path != "", "data.path", "must name a text file")
         in_open_unit(self.train_fraction, "data.train_fraction")
+        one_of(self.tokenizer, ("char", "bpe"), "data.tokenizer")
+        int_at_least(self.vocab_size, "data.vocab_size", 256)
 
 
 @dataclass

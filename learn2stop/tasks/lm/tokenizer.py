@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -18,6 +19,18 @@ from ...utils.report import write_text_atomic
 
 #: symbols of the byte-level alphabet: a vocabulary holds at least these
 BYTE_ALPHABET = 256
+
+
+class Vocab(Protocol):
+    """What the task reads of a vocabulary (:class:`~.data.CharVocab`, :class:`BPEVocab`)."""
+
+    def __len__(self) -> int: ...
+
+    def encode(self, text: str, what: str = "text") -> Tensor: ...
+
+    def decode(self, ids: Tensor) -> str: ...
+
+    def check_size(self, vocab_size: int, what: str = "the model") -> None: ...
 
 
 def _tokenizers():

@@ -130,6 +130,32 @@ def test_calibrate_certifies_a_new_epsilon_on_real_early_exit_and_keeps_the_depl
         assert cli(["lm", "calibrate", *tiny(run_dir, corpus, *args)]) == 2, args
         assert needle in capsys.readouterr().err
 
+
+def test_a_word_level_corpus_trains_with_a_bpe_vocabulary_and_generates(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    from learn2stop.tasks.lm.commands import run_vocab
+    from learn2stop.tasks.lm.tokenizer import BPEVocab
+
+    words = markov_text(6000).replace("a", "the ").replace("b", "king ").replace("c", "and ")  # recurring words
+    corpus = tmp_path / "words.txt"
+    corpus.write_text(words, encoding="utf-8")
+    run_dir = tmp_path / "bpe"
+    bpe = ["--data.tokenizer", "bpe", "--data.vocab_size", "300"]
+    assert main(["lm", "train", *tiny(run_dir, corpus, *bpe)]) == 0
+    vocab = run_vocab(run_dir)
+    assert isinstance(vocab, BPEVocab) and 256 < len(vocab) <= 300 and not (run_dir / "vocab.json").exists()
+    assert vocab.decode(vocab.encode("the king and")) == "the king and"
+    capsys.readouterr()
+    assert main(["lm", "generate", "--run-dir", str(run_dir), "--prompt", "the king", "--max-new-tokens", "6",
+                 "--exit_rule", "full"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("the king") and "6 tokens" in out  # tokens, not characters
+    assert main(["lm", "train", *tiny(run_dir, corpus, *bpe)]) == 0  # resumes: the same corpus learns the same BPE
+    assert cli(["lm", "train", *tiny(tmp_path / "x", corpus, "--data.tokenizer", "bpe", "--data.vocab_size",
+                                      "100")]) == 2
+    assert "data.vocab_size" in capsys.readouterr().err
+
+
 def cli(args: list[str]) -> int:
     """The exit code of ``learn2stop ...`` (a refused flag exits through argparse, code 2)."""
     try:
