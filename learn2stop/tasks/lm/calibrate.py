@@ -39,7 +39,8 @@ def _not_ours(path: Path) -> str | None:
 
 
 def calibrate(cfg: LmConfig, run: RunContext | str | Path) -> dict:
-    """Fit Stage I's rule(s) to ``run.options.target`` on the validation split and deploy (see the module's text)."""
+    """Certify Stage I's rule(s) for --epsilon (or fit --budget) on validation by real early exit; deploy --rule R
+    (default the policy) or the --fastest; the deployment replaced is kept (see the module's text)."""
     from .commands import load_run
     from .evaluate import deployable, prompts_of, time_rows
 
