@@ -39,8 +39,9 @@ def _not_ours(path: Path) -> str | None:
 
 
 def calibrate(cfg: LmConfig, run: RunContext | str | Path) -> dict:
-    """Certify Stage I's rule(s) for --epsilon (or fit --budget) on validation by real early exit; deploy --rule R
-    (default the policy) or the --fastest; the deployment replaced is kept (see the module's text)."""
+    """Certify (--epsilon) or fit (--budget) Stage I's rules by real early exit on validation; deploy one
+
+    --rule R (default the policy), or the --fastest; the deployment it replaces is kept (see the module's text)."""
     from .commands import load_run
     from .evaluate import deployable, prompts_of, time_rows
 
