@@ -145,3 +145,17 @@ def test_a_tiny_reproduce_is_recorded_and_rendered(tmp_path):
 
 def test_check_mode_passes_on_the_committed_docs(capsys):
     assert results.main(["--check"]) == 0
+
+
+def test_a_deployed_baseline_says_whether_the_rules_were_slower_or_only_inside_the_timing_noise(records):
+    record = copy.deepcopy(records["lm-quick"])
+    s = record["summary"]
+    s["deployed"] = "baseline"
+    reached = [r for r in s["rules"] if r.get("reached") and r["speedup"].get(s["batch_sizes"][0]) is not None]
+    assert reached
+    for r in reached:
+        r["speedup"][s["batch_sizes"][0]] = 0.9
+    assert "every certified rule of the stop model runs slower" in results.summary_row("lm-quick", record)
+    reached[0]["speedup"][s["batch_sizes"][0]] = 1.08
+    row = results.summary_row("lm-quick", record)
+    assert "faster beyond the spread of the timing passes" in row and "1.08×" in row
