@@ -192,8 +192,7 @@ class LmCalibrationConfig:
     max_tokens: int = 0
     """Calibrate on at most this many validation tokens (0: all)."""
     candidates: int = 40
-    """At most this many thresholds per rule, from the validation trace's signal: each one tested is a real
-    early-exit pass over the validation split."""
+    """At most this many thresholds per rule (each one tested is a real early-exit pass over validation)."""
 
     def __post_init__(self):
         one_of(self.risk, RISKS, "calibration.risk")
