@@ -275,12 +275,14 @@ def summary_row(run: str, record: dict | None) -> str:
         reached = [r for r in s["rules"] if r["reached"] and r["speedup"].get(served) is not None]
         quickest = max(reached, key=lambda r: r["speedup"][served], default=None)
         if quickest is None:
-            note = "the baseline: neither the policy rule nor a fixed depth of the stop model reaches its quality on validation"
+            note = ("the baseline: neither the policy rule nor a fixed depth of the stop model reaches its quality on "
+                    "validation")
         else:
             x = quickest["speedup"][served]
             how = ("every certified rule of the stop model runs slower" if x <= 1 else
                    "no certified rule of the stop model is faster beyond the spread of the timing passes")
-            note = f"the baseline: {how} at batch {served} (the fastest, {quickest.get('label', quickest['rule'])}, {x:.2f}×)"
+            name = quickest.get("label", quickest["rule"])
+            note = f"the baseline: {how} at batch {served} (the fastest, {name}, {x:.2f}×)"
         return f"| {task} | {base} | {note} | {_steps(T)} of {_steps(T)} | 1.00× (the baseline itself) |"
     r = rules.get(s["deployed"])
     if r is None or not r["reached"]:

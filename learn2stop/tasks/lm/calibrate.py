@@ -89,8 +89,8 @@ def calibrate(cfg: LmConfig, run: RunContext | str | Path) -> dict:
     batch = o.speed_batch or 1
     if o.fastest:
         run.log(f"timing generation at batch {batch} ...")
-        timed = [(r["row"], r["backbone"], r["gpt"], r["rule"], r["threshold"], policy if r["rule"] == "policy" else None)
-                 for r in rows]
+        timed = [(r["row"], r["backbone"], r["gpt"], r["rule"], r["threshold"],
+                  policy if r["rule"] == "policy" else None) for r in rows]
         timing = time_rows(replace(cfg, eval=replace(cfg.eval, timing_batches=[batch])), timed,
                            prompts_of(cfg, splits.test), windows(splits.test, cfg.model.context))
         keeps = gpt_val + c.epsilon if target.budget is None and c.risk == "loss" else math.inf
@@ -100,8 +100,8 @@ def calibrate(cfg: LmConfig, run: RunContext | str | Path) -> dict:
     else:
         timing, chosen, tie = None, rows[1], None
         if target.budget is None and c.risk == "loss" and chosen["val_loss"] > gpt_val + c.epsilon:
-            run.log(f"warning: {chosen['row']} loses {chosen['val_loss'] - gpt_val:.4f} nats on validation to the plain "
-                    f"GPT, more than epsilon ({c.epsilon:g}): Stage I's own full depth is that far behind; "
+            run.log(f"warning: {chosen['row']} loses {chosen['val_loss'] - gpt_val:.4f} nats on validation to the "
+                    f"plain GPT, more than epsilon ({c.epsilon:g}): Stage I's own full depth is that far behind; "
                     f"'--fastest' deploys the GPT itself where nothing of Stage I keeps its quality")
     deployed = {"backbone": chosen["backbone"], "rule": chosen["rule"], "row": chosen["row"],
                 "chosen_by": (f"calibrate --fastest: the fastest generation at batch {batch} (ties within "
@@ -116,7 +116,8 @@ def calibrate(cfg: LmConfig, run: RunContext | str | Path) -> dict:
     kept = keep_previous_file(path, _not_ours, "calibrate")
     write_json(deployed, path)
     table = _table(rows, timing, batch, chosen)
-    run.log(table + f"\ndeployed: {chosen['row']} -> {path}" + (f" (the one it replaces kept in {kept})" if kept else ""))
+    kept_note = f" (the one it replaces kept in {kept})" if kept else ""
+    run.log(table + f"\ndeployed: {chosen['row']} -> {path}{kept_note}")
     return {"deployed": deployed, "rows": [{k: v for k, v in r.items() if k != "gpt"} for r in rows], "table": table}
 
 
