@@ -51,10 +51,8 @@ class SignalRule(StopRule):
         return self.signal.replan_times(view, self.threshold)
 
     def check_model(self, model: Any) -> None:
-        """The signal's refusal of a model it cannot read (its ``check_model``, if it has one)."""
-        check = getattr(self.signal, "check_model", None)
-        if callable(check):
-            check(model)
+        """The signal's refusal of a model it cannot read (:meth:`StopSignal.check_model`)."""
+        self.signal.check_model(model)
 
     @classmethod
     def from_param(cls, signal: Any, param: float) -> "SignalRule":

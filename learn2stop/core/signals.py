@@ -73,6 +73,10 @@ class StopSignal:
     def __call__(self, view: StepView) -> Tensor:
         raise NotImplementedError
 
+    def check_model(self, model: Any) -> None:
+        """Refuse, before the first step, a model this signal cannot read, by what the model declares; the default
+        reads any."""
+
     def plan_times(self, view: StepView, threshold: float) -> Tensor | None:
         """A planning signal's stop times at ``threshold`` computed directly, where it has a faster way than the
         first crossing of :meth:`plan_scores`; None: it has none."""
