@@ -107,7 +107,8 @@ def calibrate(cfg: LmConfig, run: RunContext | str | Path) -> dict:
                 "chosen_by": (f"calibrate --fastest: the fastest generation at batch {batch} (ties within "
                               f"{100 * tie:.1f} %, the timing's spread, to fewer layers, then the GPT)" if o.fastest
                               else f"calibrate --rule {chosen['rule']}"),
-                "target": c.epsilon if target.budget is None else {"budget": target.budget},
+                "target": ({"epsilon": c.epsilon, "delta": c.delta, "risk": c.risk} if target.budget is None
+                           else {"budget": target.budget}),
                 "thresholds": {r: (None if not math.isfinite(x.threshold) else x.threshold) for r, x in cals.items()},
                 "speculative": {"draft_layer": draft, "num_draft": n_draft},
                 "calibration": {"stage1": {r: x.to_dict() for r, x in cals.items()}}}

@@ -111,13 +111,14 @@ def test_calibrate_certifies_a_new_epsilon_on_real_early_exit_and_keeps_the_depl
     assert "gen tok/s b=1" in out and "(deployed)" in out
     assert (run_dir / "deployed.previous.json").read_text() == before
     deployed = json.loads((run_dir / "deployed.json").read_text())
-    assert set(deployed["thresholds"]) == {"policy", "margin", "saturation", "fixed"} and deployed["target"] == 0.2
+    assert set(deployed["thresholds"]) == {"policy", "margin", "saturation", "fixed"} and deployed["target"] == {"epsilon": 0.2, "delta": 0.1, "risk": "loss"}
     for cal in deployed["calibration"]["stage1"].values():
         assert cal["target"]["epsilon"] == 0.2 and (cal["calibration"]["risk"] <= 0.2 or cal["threshold"] is None)
     assert main(["lm", "calibrate", *tiny(run_dir, corpus, "--budget", "0.5", "--rule", "saturation")]) == 0
     capsys.readouterr()
     deployed = json.loads((run_dir / "deployed.json").read_text())
     assert deployed["rule"] == "saturation" and list(deployed["thresholds"]) == ["saturation"]
+    assert deployed["target"] == {"budget": 0.5}
     assert deployed["calibration"]["stage1"]["saturation"]["calibration"]["mean_cost"] <= 0.5
     assert main(["lm", "generate", *tiny(run_dir, corpus, "--prompt", markov_text(3), "--max-new-tokens", "5")]) == 0
     assert "saturation" in capsys.readouterr().out  # generate serves what calibrate deployed
