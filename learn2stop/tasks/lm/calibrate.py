@@ -55,6 +55,10 @@ def calibrate(cfg: LmConfig, run: RunContext | str | Path) -> dict:
     if o.speed_batch is not None and (not o.fastest or o.speed_batch < 1):
         raise ConfigError("--speed-batch: only --fastest times the rules, at a batch size >= 1; got "
                           f"{o.speed_batch!r}" + ("" if o.fastest else " without --fastest"))
+    least = cfg.model.exit_layers[0] / cfg.model.n_layer
+    if target.budget is not None and target.budget < least:
+        raise ConfigError(f"--budget: the least any rule runs is the first exit, {least:.3g} of the layers; got "
+                          f"{target.budget:g}")
     path = Path(run.run_dir) / DEPLOYED
     check_previous_file(path, _not_ours, "calibrate")  # before any work: the record this replaces can be kept
     c = cfg.calibration if target.budget is not None else replace(cfg.calibration, epsilon=target.epsilon,

@@ -146,7 +146,8 @@ def budget_rule(trace: LmTrace, rule: str, costs: Tensor, budget: float, measure
                 candidates: int = 200):
     """The least aggressive threshold of ``rule`` whose real early exit on the measured split costs at most
     ``budget`` of full depth (thresholds spaced by the trace's mean cost, from full depth down: the first that
-    meets the budget keeps the most quality); its validation risk is reported, not bounded."""
+    meets the budget keeps the most quality; where the real early exit runs deeper than the trace and none does, the
+    most aggressive, its ``mean_cost`` above the budget); its validation risk is reported, not bounded."""
     scores = trace.signals[rule]
     tested, thr, risk, stops = 0, math.inf, None, None
     for thr in cost_spaced_thresholds(scores, costs, candidates).tolist():

@@ -127,6 +127,7 @@ def test_calibrate_certifies_a_new_epsilon_on_real_early_exit_and_keeps_the_depl
     for args, needle in [(["--epsilon", "0.1", "--rule", "bogus"], "--rule: the language model's rules"),
                          (["--epsilon", "0.1", "--speed-batch", "4"], "--speed-batch"),
                          (["--epsilon", "0.1", "--rule", "margin", "--fastest"], "give one or the other"),
+                         (["--budget", "0.1"], "the least any rule runs is the first exit"),
                          ([], "exactly one target")]:
         assert cli(["lm", "calibrate", *tiny(run_dir, corpus, *args)]) == 2, args
         assert needle in capsys.readouterr().err
