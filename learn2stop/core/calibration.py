@@ -54,7 +54,6 @@ def candidate_thresholds(scores: Tensor, max_candidates: int | None = None) -> T
     return torch.cat([vals, vals.new_full((1,), math.inf)])
 
 
-
 def cost_spaced_thresholds(scores: Tensor, costs: Tensor, n: int) -> Tensor:
     """At most ``n`` thresholds, descending from +inf (full depth), spaced by the mean cost they give on ``scores``
     (N, T-1), the gaps growing quadratically away from full depth: the order of a fixed sequence whose every test
@@ -67,6 +66,7 @@ def cost_spaced_thresholds(scores: Tensor, costs: Tensor, n: int) -> Tensor:
     at = (torch.searchsorted(cost.double(), targets, right=True) - 1).clamp_min(0)
     picked = cand[at].unique()
     return torch.cat([picked.new_full((1,), math.inf), picked[picked < math.inf].flip(0)])
+
 
 def check_budget(budget: float, flag: str = "--budget") -> None:
     if not (isinstance(budget, (int, float)) and math.isfinite(budget) and 0 < budget <= 1):

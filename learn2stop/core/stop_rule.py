@@ -42,10 +42,10 @@ class Plan:
 
     @classmethod
     def of(cls, times: Tensor, t: int, num_steps: int) -> "Plan":
-        """The plan of (B,) 1-based stop times made at step t (clamped to t..T; t = 0: before the first step), with
-        one host sync (the counts; at batch 1 the depth itself)."""
+        """The plan of (B,) 1-based stop times in max(t, 1)..T made at step t (t = 0: before the first step;
+        :meth:`StopRule.decide` checks and clamps them), with one host sync (the counts; at batch 1 the depth
+        itself)."""
         T = num_steps
-        times = times.clamp(max(t, 1), T)
         running = [0] * (T + 1)
         if times.numel() == 1:  # a single sample: its depth is all there is to know (nothing to sort)
             depth = int(times)
@@ -135,12 +135,12 @@ class StopRule:
     def decide(self, view: StepView) -> Tensor | Plan:
         """The rule's answer at an asked step: a :class:`Plan` at its plan (and replan) step, else the (B,) bool
         stops of ``__call__``."""
-        if view.t == self.plan_step:
-            return Plan.of(self.plan(view), view.t, view.num_steps)
-        if view.t == self.replan_step:
-            return Plan.of(self.replan(view), view.t, view.num_steps)
+        t, T = view.t, view.num_steps
+        if t == self.plan_step:
+            return Plan.of(self._checked_plan(self.plan(view), view.index, max(t, 1), T), t, T)
+        if t == self.replan_step:
+            return Plan.of(self._checked_plan(self.replan(view), view.index, t, T), t, T)
         return self(view)
-
 
     def decide_rows(self, view: StepView, planned: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
         """:meth:`decide` for rows that carry their own plan (the streaming runner's requests, which reach a step at
@@ -167,6 +167,7 @@ class StopRule:
             raise ValueError(f"a planning rule must return integer stop steps of shape ({rows.numel()},); got "
                              + (f"{times.dtype} {tuple(times.shape)}" if isinstance(times, Tensor) else repr(times)))
         return times.clamp(low, T)
+
 
 class RecordingProbs(StopRule):
     """A per-step rule that records the stop probabilities it reports (``last_probs``) at each step it is asked."""

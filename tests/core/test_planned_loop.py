@@ -349,3 +349,38 @@ def test_an_infinite_threshold_is_never_asked_and_never_stopping_is():
         r = run_with_early_exit(model, y, SignalRule.never_stopping(signal))
         assert (r.stop_times == 5).all() and len(model.read) > 1
     assert planner.calls == 1  # the planning signal, asked, planned once
+
+
+class _BadPlan:
+    """A planning rule whose plan is not (B,) integer stop steps."""
+
+    plan_step = 2
+
+    def __init__(self, times):
+        self.times = times
+
+    def __call__(self, view):
+        raise AssertionError("a planning rule is not asked per step")
+
+    def plan(self, view):
+        return self.times(view.index.numel())
+
+
+@pytest.mark.parametrize("times", [lambda n: torch.full((n,), 3.0), lambda n: torch.full((n + 1,), 3),
+                                   lambda n: [3] * n])
+def test_the_loop_and_the_stream_refuse_a_plan_that_is_not_integer_steps_per_row(times):
+    from learn2stop.core.streaming import StreamingRunner
+
+    model = ToyStepModel(num_steps=5)
+    with pytest.raises(ValueError, match="a planning rule must return integer stop steps of shape"):
+        run_with_early_exit(model, torch.randn(4, 3), _BadPlan(times))
+    runner = StreamingRunner(model, _BadPlan(times), max_batch=4)
+    ids = [runner.submit(torch.randn(1, 3)) for _ in range(3)]
+    runner.run_until_idle()
+    assert all("a planning rule must return integer stop steps" in str(runner.finished[i].error) for i in ids)
+
+
+def test_a_plan_is_clamped_to_the_steps_left():
+    model = ToyStepModel(num_steps=5)
+    r = run_with_early_exit(model, torch.randn(4, 3), _BadPlan(lambda n: torch.tensor([0, 1, 4, 9])[:n]))
+    assert r.stop_times.tolist() == [2, 2, 4, 5]  # planned at step 2: earlier steps are past, later than T is T
