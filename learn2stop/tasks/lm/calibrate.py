@@ -19,11 +19,10 @@ from ...utils.outputs import check_previous_file, keep_previous_file
 from ...utils.report import markdown_table, write_json
 from ..base import RunContext, as_run
 from .config import LmConfig
+from .evaluate import STAGE1_RULES, deployable, prompts_of, stage1_row, time_rows
 from .metric import MeasuredRisk, budget_rule, calibrate_rule, costs_of, trace_split, windows
 from .speculative import plan_draft
 
-RULES = ("policy", "margin", "saturation", "fixed")
-LABELS = {"policy": "Stage I + policy", "margin": "Stage I + CALM margin", "saturation": "Stage I + CALM saturation"}
 DEPLOYED = "deployed.json"
 
 
@@ -43,15 +42,14 @@ def calibrate(cfg: LmConfig, run: RunContext | str | Path) -> dict:
 
     --rule R (default the policy), or the --fastest; the deployment it replaces is kept (see the module's text)."""
     from .commands import load_run
-    from .evaluate import deployable, prompts_of, time_rows
 
     run = as_run(run)
     o = run.options
     target = o.target
     if o.fastest and o.rule is not None:
         raise ConfigError("--rule: --fastest fits every rule and keeps the fastest; give one or the other")
-    if o.rule is not None and o.rule not in RULES:
-        raise ConfigError(f"--rule: the language model's rules are {', '.join(RULES)}; got {o.rule!r}")
+    if o.rule is not None and o.rule not in STAGE1_RULES:
+        raise ConfigError(f"--rule: the language model's rules are {', '.join(STAGE1_RULES)}; got {o.rule!r}")
     if o.speed_batch is not None and (not o.fastest or o.speed_batch < 1):
         raise ConfigError("--speed-batch: only --fastest times the rules, at a batch size >= 1; got "
                           f"{o.speed_batch!r}" + ("" if o.fastest else " without --fastest"))
@@ -73,28 +71,26 @@ def calibrate(cfg: LmConfig, run: RunContext | str | Path) -> dict:
     trace, gpt_trace = trace_split(s1, *val, policy), trace_split(base, *val)
     measured = MeasuredRisk(s1, *val, policy, gpt_trace if c.reference == "gpt" else trace, c.risk)
     costs, L = costs_of(s1), s1.cfg.n_layer
-    rules = list(RULES) if o.fastest else [o.rule or "policy"]
+    rules = list(STAGE1_RULES) if o.fastest else [o.rule or "policy"]
     cals = {r: (budget_rule(trace, r, costs, target.budget, measured, c.candidates) if target.budget is not None
                 else calibrate_rule(trace, r, costs, c.risk, c.epsilon, c.delta, c.max_tokens, measured=measured,
                                     candidates=c.candidates)) for r in rules}
     gpt_val = float(gpt_trace.losses[:, -1].mean())
+    timed = [("full depth (GPT)", "baseline", base, "full", math.inf, None),
+             *(stage1_row(s1, r, cal.threshold, policy) for r, cal in cals.items())]
     rows = [{"row": "full depth (GPT)", "backbone": "baseline", "rule": "full", "val_loss": gpt_val,
-             "mean_layers": float(L), "gpt": base, "threshold": math.inf}]
-    for r, cal in cals.items():
-        risk, stops = measured(r, cal.threshold)
-        step = int(cal.threshold) if r == "fixed" and math.isfinite(cal.threshold) else len(s1.cfg.exit_layers)
-        rows.append({"row": LABELS.get(r, f"Stage I + fixed exit {s1.cfg.exit_layers[step - 1]}"),
-                     "backbone": "stage1", "rule": r, "threshold": cal.threshold if r != "fixed" else float(step),
+             "mean_layers": float(L), "threshold": math.inf}]
+    for (label, _, _, r, threshold, _), cal in zip(timed[1:], cals.values()):
+        risk, _ = measured(r, cal.threshold)
+        rows.append({"row": label, "backbone": "stage1", "rule": r, "threshold": threshold,
                      "val_loss": float(measured.reference.losses[:, -1].mean() + risk.mean())
-                     if c.risk == "loss" else None, "mean_layers": cal.calibration["mean_cost"] * L, "gpt": s1})
+                     if c.risk == "loss" else None, "mean_layers": cal.calibration["mean_cost"] * L})
     agree = {k: float((trace.greedy[:, e] == trace.greedy[:, -1]).float().mean())
              for e, k in enumerate(s1.cfg.exit_layers[:-1])}
     draft, n_draft, _ = plan_draft(agree, L) if agree else (1, 1, 1.0)
     batch = o.speed_batch or 1
     if o.fastest:
         run.log(f"timing generation at batch {batch} ...")
-        timed = [(r["row"], r["backbone"], r["gpt"], r["rule"], r["threshold"],
-                  policy if r["rule"] == "policy" else None) for r in rows]
         timing = time_rows(replace(cfg, eval=replace(cfg.eval, timing_batches=[batch])), timed,
                            prompts_of(cfg, splits.test), windows(splits.test, cfg.model.context))
         keeps = gpt_val + c.epsilon if target.budget is None and c.risk == "loss" else math.inf
@@ -123,7 +119,7 @@ def calibrate(cfg: LmConfig, run: RunContext | str | Path) -> dict:
     table = _table(rows, timing, batch, chosen)
     kept_note = f" (the one it replaces kept in {kept})" if kept else ""
     run.log(table + f"\ndeployed: {chosen['row']} -> {path}{kept_note}")
-    return {"deployed": deployed, "rows": [{k: v for k, v in r.items() if k != "gpt"} for r in rows], "table": table}
+    return {"deployed": deployed, "rows": rows, "table": table}
 
 
 def _table(rows: list[dict], timing: dict | None, batch: int, chosen: dict) -> str:

@@ -17,10 +17,10 @@ from ...utils.report import write_json
 from ..base import RunContext, as_run
 from .config import LmConfig
 from .data import CharVocab, Splits, read_text, split_by_position
-from .tokenizer import Vocab
 from .generate import check_prompt, generate
 from .metric import score_split, windows
 from .models import StepwiseGPT
+from .tokenizer import Vocab
 from .train import STAGES, checkpoint_path, train_stages
 
 
@@ -185,7 +185,7 @@ def generate_command(cfg: LmConfig, run: RunContext | str | Path) -> dict:
     vocab = run_vocab(run_dir)
     prompt = vocab.encode(cfg.prompt, what="prompt")[None]
     if prompt.shape[1] > cfg.model.context:
-        raise ConfigError(f"the prompt has {prompt.shape[1]} characters, more than the model's context "
+        raise ConfigError(f"the prompt has {prompt.shape[1]} tokens, more than the model's context "
                           f"({cfg.model.context})", "prompt")
     _, _, models = load_run(cfg, run, "generate", with_data=False)
     plan = _speculative_plan(cfg, run_dir)

@@ -160,9 +160,9 @@ class LmMethodConfig:
     deep_weights: str = "uniform"
     """Deep supervision's exit weights: uniform | increasing (LayerSkip-style, w_t proportional to t)."""
     stage2_target: str = "oracle"
-    """What Stage II fits: oracle (forward KL to q*, the paper's) | risk (per token and exit, whether stopping there
-    loses nothing against the calibration reference's full depth, by ``calibration.risk``: a logistic regression on
-    what Learn-then-Test then certifies, so the policy ranks tokens by the risk it is calibrated on)."""
+    """What Stage II fits: oracle (forward KL to q*, the paper's) | risk (a logistic regression, per token and exit,
+    of whether stopping there loses nothing against the calibration reference's full depth, ``calibration.risk``:
+    the event Learn-then-Test certifies, here on training windows at full depth before the token)."""
 
     def __post_init__(self):
         positive(self.beta, "method.beta")
@@ -283,7 +283,7 @@ class LmConfig:
 
 
 PRESETS: dict[str, dict] = {
-    # a 6 x 128 character GPT on Tiny Shakespeare, everything on one CPU thread in about 30 minutes; the policy reads
+    # a 6 x 128 character GPT on Tiny Shakespeare, everything on one CPU thread in about 35 minutes; the policy reads
     # the exit's signals and is fitted to the event that Learn-then-Test certifies (docs/lm.md: the policy)
     "quick": {"model": {"policy": "signals"}, "method": {"stage2_target": "risk"}},
     # a few seconds: a 2 x 32 GPT, a handful of steps (tests, smoke runs)

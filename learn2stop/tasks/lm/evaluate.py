@@ -56,6 +56,20 @@ def _timed(fn, rounds: int) -> float:
     return best
 
 
+#: Stage I's certified rules, in the order of the tables
+STAGE1_RULES = ("policy", "margin", "saturation", "fixed")
+
+
+def stage1_row(s1, rule: str, threshold: float, policy) -> tuple:
+    """The (label, backbone, model, rule, threshold, policy) row of Stage I's ``rule`` at its certified threshold;
+    the fixed rule's threshold is its exit step (full depth's where nothing earlier is certified)."""
+    if rule == "fixed":
+        step = int(threshold) if math.isfinite(threshold) else len(s1.cfg.exit_layers)
+        return f"Stage I + fixed exit {s1.cfg.exit_layers[step - 1]}", "stage1", s1, "fixed", float(step), None
+    label = {"policy": "Stage I + policy", "margin": "Stage I + CALM margin", "saturation": "Stage I + CALM saturation"}
+    return label[rule], "stage1", s1, rule, threshold, policy if rule == "policy" else None
+
+
 def _certify(c, trace, gpt, rules, measured) -> dict:
     """Each rule's Learn-then-Test calibration under calibration settings ``c`` (:class:`LmCalibrationConfig`),
     its risk measured by real early exit (``measured``, a :class:`~.metric.MeasuredRisk`)."""
@@ -78,22 +92,16 @@ def evaluate_run(cfg: LmConfig, run, vocab, splits, models) -> dict:
     measured = {"deep": MeasuredRisk(deep, *val, None, gpt_trace if gpt_ref else deep_trace, kind),
                 "stage1": MeasuredRisk(s1, *val, policy, gpt_trace if gpt_ref else val_trace, kind)}
     backbones = {"deep": (deep_trace, deep, ["margin"]),
-                 "stage1": (val_trace, s1, ["policy", "margin", "saturation", "fixed"])}
+                 "stage1": (val_trace, s1, list(STAGE1_RULES))}
     cal = {k: _certify(cfg.calibration, trace, gpt, rules, measured[k]) for k, (trace, gpt, rules) in backbones.items()}
     lam = {k: {r: c.threshold for r, c in v.items()} for k, v in cal.items()}
     by_epsilon = _certified_by_epsilon(cfg, backbones, measured)
-    fixed_step = lam["stage1"]["fixed"]  # a step index; its layer is the exit's
-    fixed_step = int(fixed_step) if math.isfinite(fixed_step) else len(s1.cfg.exit_layers)
-    fixed_k = s1.cfg.exit_layers[fixed_step - 1]
     inf = math.inf
     rows = [("full depth (GPT)", "baseline", base, "full", inf, None),
             ("deep supervision, full depth", "deep", deep, "full", inf, None),
             ("deep supervision + CALM margin", "deep", deep, "margin", lam["deep"]["margin"], None),
             ("Stage I, full depth", "stage1", s1, "full", inf, None),
-            ("Stage I + policy", "stage1", s1, "policy", lam["stage1"]["policy"], policy),
-            ("Stage I + CALM margin", "stage1", s1, "margin", lam["stage1"]["margin"], None),
-            ("Stage I + CALM saturation", "stage1", s1, "saturation", lam["stage1"]["saturation"], None),
-            (f"Stage I + fixed exit {fixed_k}", "stage1", s1, "fixed", float(fixed_step), None)]
+            *(stage1_row(s1, r, lam["stage1"][r], policy) for r in STAGE1_RULES)]
     test_trace = trace_split(s1, *test, policy)
     planned = oracle_exits(cfg, s1, test_trace, test[0].shape)
     val_planned = oracle_exits(cfg, s1, val_trace, val[0].shape)

@@ -141,7 +141,6 @@ def calibrate_rule(trace: LmTrace, rule: str, costs: Tensor, kind: str, epsilon:
                    loss_range=(0.0, 1.0) if kind == "agreement" else None)
 
 
-
 def budget_rule(trace: LmTrace, rule: str, costs: Tensor, budget: float, measured: MeasuredRisk,
                 candidates: int = 200):
     """The least aggressive threshold of ``rule`` whose real early exit on the measured split costs at most
@@ -159,6 +158,7 @@ def budget_rule(trace: LmTrace, rule: str, costs: Tensor, budget: float, measure
                        calibration={"risk": float(risk.double().mean()), "thresholds_tested": tested,
                                     "mean_steps": float(stops.float().mean()),
                                     "mean_cost": float(costs[stops - 1].mean()), "samples": int(stops.numel())})
+
 
 def oracle_exits(cfg, gpt, trace: LmTrace, shape) -> Tensor:
     """Each token's MAP exit under the oracle q* (labels needed: a bound), 1-based, (W, T)."""
