@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .models import GPT, StepwiseGPT
-from .rules import reads_logits
+from .rules import fixed_depth, reads_logits
 
 
 class KVCache:
@@ -135,7 +135,7 @@ def generate(view: StepwiseGPT, prompt: Tensor, max_new_tokens: int, exit_rule=N
     if prompt.shape[1] > 1:
         prefill(gpt, cache, prompt[:, :-1])
     window = ContextWindow(gpt, cache, prompt[:, :-1])
-    folded = folded_propagations(view) if exit_rule is not None else None
+    folded = folded_propagations(view) if fixed_depth(exit_rule, view.num_steps) is None else None
 
     def decode(token: Tensor) -> tuple[Tensor, Tensor]:
         window.make_room()
@@ -203,13 +203,20 @@ def exit_rows(num_steps: int, h: Tensor, run_layers, head, complete, exit_rule=N
     stopped)`` fills the later layers' cache of the rows that stop at step t. Returns the (B, V) logits of each row at
     its exit and its (B,) exit step (``exit_rule(t, logits, h, h_prev)`` None: every row runs to the last step; a
     rule that does not read the logits, :func:`~.rules.reads_logits`, gets None for them and the head runs only
-    where rows stop)."""
+    where rows stop). A rule that stops every row at one step (:func:`~.rules.fixed_depth`) runs that many steps and
+    the head once, as a truncated model: nothing is asked, and the later layers, which no token reaches, are not
+    completed."""
     B = h.shape[0]
+    depth = fixed_depth(exit_rule, num_steps)
+    if depth is not None:
+        for t in range(1, depth + 1):
+            h = run_layers(t, h, None)
+        return head(h[:, 0]), torch.full((B,), depth, dtype=torch.long, device=h.device)
     h_prev = h[:, 0]  # (B_active, C) the hidden state at the previous exit (the embedding before the first)
     rows = None  # None: every row (no gather); else the (B_active,) rows still running
     logits = None
     exit_steps = torch.full((B,), num_steps, dtype=torch.long, device=h.device)
-    every_exit = exit_rule is not None and reads_logits(exit_rule)  # else the head runs where a row stops only
+    every_exit = reads_logits(exit_rule)  # else the head runs where a row stops only
 
     def keep(where, out: Tensor) -> None:
         nonlocal logits
@@ -219,22 +226,22 @@ def exit_rows(num_steps: int, h: Tensor, run_layers, head, complete, exit_rule=N
 
     for t in range(1, num_steps + 1):
         h = run_layers(t, h, rows)
+        x = h[:, 0]  # (B_active, C)
         if t == num_steps:  # what still runs stops here
-            keep(slice(None) if rows is None else rows, head(h[:, 0]))
+            keep(slice(None) if rows is None else rows, head(x))
             break
-        if exit_rule is None:
-            continue
-        out = head(h[:, 0]) if every_exit else None  # (B_active, V) the exit's logits
-        stops = exit_rule(t, out, h[:, 0], h_prev)  # (B_active,) bool
-        h_prev = h[:, 0]
-        if not bool(stops.any()):
+        out = head(x) if every_exit else None  # (B_active, V) the exit's logits
+        stops = exit_rule(t, out, x, h_prev)  # (B_active,) bool
+        h_prev = x
+        if not stops.any():
             continue
         here = torch.arange(B, device=h.device) if rows is None else rows
         stopped = here[stops]
-        keep(stopped, out[stops] if out is not None else head(h[stops, 0]))
+        keep(stopped, out[stops] if out is not None else head(x[stops]))
         exit_steps[stopped] = t
         complete(t, h[stops], stopped)
-        rows, h, h_prev = here[~stops], h[~stops], h_prev[~stops]
+        going = ~stops
+        rows, h, h_prev = here[going], h[going], h_prev[going]
         if rows.numel() == 0:
             break
     return logits, exit_steps

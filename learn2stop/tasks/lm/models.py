@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import GPTConfig
+from .rules import fixed_depth, reads_logits
 
 
 class CausalSelfAttention(nn.Module):
@@ -207,6 +208,10 @@ class StepwiseGPT(nn.Module):
             h = self.gpt.blocks[layer - 1](h) if all_going else self._mixed_block(layer, h, going)
         return {"h": h, "going": going}
 
+    def head(self, h: Tensor) -> Tensor:
+        """The readout shared by every exit, (..., C) -> (..., V)."""
+        return self.gpt.head(h)
+
     def readout(self, t: int, state: dict[str, Tensor], idx: Tensor) -> Tensor:
         return self.gpt.head(state["h"])  # (B, T, V)
 
@@ -246,19 +251,34 @@ class StepwiseGPT(nn.Module):
 def score_with_exits(view: StepwiseGPT, idx: Tensor, exit_rule) -> tuple[Tensor, Tensor]:
     """Score every position of idx (B, T), each token stopping at the first exit where ``exit_rule`` says so.
 
-    ``exit_rule(t, logits, h, h_prev)`` takes step t, the (B, T, V) logits there, the (B, T, C) hidden states there
-    and at the exit before (the embeddings at t = 1) and returns (B, T) bool (stop now); it is asked at t = 1..T-1, and what still goes stops at T. Returns the (B, T, V) logits of each position at its exit
-    and its (B, T) 1-based exit step.
+    ``exit_rule(t, logits, h, h_prev)`` takes step t, the (B, T, V) logits there (None for a rule that does not read
+    them, :func:`~.rules.reads_logits`: the head then runs only where positions stop), the (B, T, C) hidden states
+    there and at the exit before (the embeddings at t = 1) and returns (B, T) bool (stop now); it is asked at
+    t = 1..T-1, and what still goes stops at T. A rule that stops every position at one step
+    (:func:`~.rules.fixed_depth`) runs that many steps as a truncated model, asking nothing. Returns the (B, T, V)
+    logits of each position at its exit and its (B, T) 1-based exit step.
     """
     state = view.initial_state(idx)
+    depth = fixed_depth(exit_rule, view.num_steps)
+    if depth is not None:
+        for t in range(1, depth + 1):
+            state = view.step(t, state, idx)
+        return view.readout(depth, state, idx), torch.full(idx.shape, depth, dtype=torch.long, device=idx.device)
     exits = torch.full(idx.shape, view.num_steps, dtype=torch.long, device=idx.device)
-    logits, h_prev = None, state["h"]
+    every_exit, h_prev, logits = reads_logits(exit_rule), state["h"], None
     for t in range(1, view.num_steps + 1):
         state = view.step(t, state, idx)
-        logits = view.readout(t, state, idx)
-        if t < view.num_steps:
-            stops = exit_rule(t, logits, state["h"], h_prev) & state["going"]
-            h_prev = state["h"]
+        if t == view.num_steps:
+            going = state["going"]
+            last = view.readout(t, state, idx)
+            return (last if logits is None else torch.where(going[..., None], last, logits)), exits
+        out = view.readout(t, state, idx) if every_exit else None
+        stops = exit_rule(t, out, state["h"], h_prev) & state["going"]
+        h_prev = state["h"]
+        if stops.any():
+            here = out[stops] if out is not None else view.head(state["h"][stops])  # (N_stopped, V)
+            if logits is None:
+                logits = here.new_zeros(*idx.shape, here.shape[-1])
+            logits[stops] = here
             exits[stops] = t
             state = view.stop(state, stops)
-    return logits, exits

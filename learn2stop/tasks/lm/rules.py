@@ -10,6 +10,8 @@ h_prev the one at the exit before (the embedding at t = 1). A rule stops a token
 - ``policy``: the learned policy's stop probability (:mod:`.policy`);
 - ``fixed``: the step index t itself (a threshold k stops every token at exit k);
 - ``full``: never before the last exit.
+The last two stop every token at one step whatever it reads: they say which (``depth``, :func:`fixed_depth`), and
+scoring and generation then run that many steps as a plain truncated model, asking nothing at the exits before.
 The oracle (each token's best exit given its label) is not a rule of this form: it needs the labels, so it is a
 bound, scored with a known exit per position (:func:`planned_rule`).
 
@@ -74,6 +76,11 @@ def make_rule(name: str, lam: float, policy=None):
 
     rule.name, rule.lam = name, float(lam)
     rule.reads_logits = name == "margin" or (name == "policy" and policy.reads_logits)
+    rule.depth = None  # decides per token
+    if name == "full" or (name == "fixed" and lam == math.inf):
+        rule.depth = math.inf
+    elif name == "fixed":
+        rule.depth = 1 if lam <= 1 else math.ceil(lam)
     return rule
 
 
@@ -84,6 +91,15 @@ def planned_rule(exits: Tensor):
 
     rule.reads_logits = False
     return rule
+
+
+def fixed_depth(rule, num_steps: int) -> int | None:
+    """The step by which ``rule`` has stopped every token whatever it reads (``num_steps`` for no rule or one that
+    never stops early), None for a rule that decides per token (its ``depth``; absent: per token)."""
+    if rule is None:
+        return num_steps
+    depth = getattr(rule, "depth", None)
+    return None if depth is None else int(min(depth, num_steps))
 
 
 def reads_logits(rule) -> bool:

@@ -58,3 +58,29 @@ def test_bad_rules_are_refused_by_name():
         make_rule("entropy", 0.5)
     with pytest.raises(ValueError, match="needs a trained policy"):
         make_rule("policy", 0.5)(1, torch.zeros(1, 3), torch.zeros(1, 2), torch.zeros(1, 2))
+
+
+def test_a_rule_that_stops_every_token_at_one_step_runs_a_truncated_model_and_is_never_asked():
+    gpt = tiny_gpt(4)
+    view = StepwiseGPT(gpt)
+    idx = torch.randint(13, (3, 8), generator=torch.Generator().manual_seed(3))
+    fixed = make_rule("fixed", 2.5)  # stops every token at exit 3
+    assert fixed.depth == 3 and make_rule("full", math.inf).depth == math.inf and make_rule("margin", 0.5).depth is None
+
+    def asked(*args):
+        raise AssertionError("a rule with a fixed depth was asked")
+    asked.depth = 3
+    per_token = lambda t, logits, h, h_prev: torch.full(h.shape[:-1], t >= 3)  # the same stops, asked at every exit
+    h = gpt.embed(idx)
+    for block in gpt.blocks[:3]:
+        h = block(h)
+    logits, exits = score_with_exits(view, idx, asked)
+    assert torch.equal(exits, torch.full(idx.shape, 3)) and torch.allclose(logits, gpt.head(h), atol=1e-6)
+    assert torch.allclose(score_with_exits(view, idx, per_token)[0], logits, atol=1e-6)
+    assert torch.equal(score_with_exits(view, idx, make_rule("full", math.inf))[0], gpt(idx))
+
+    prompt = idx[:, :3]
+    out = generate(view, prompt, 5, asked)
+    reference = generate(view, prompt, 5, per_token)
+    assert torch.equal(out.tokens, reference.tokens) and torch.equal(out.exit_steps, torch.full((3, 5), 3))
+    assert torch.equal(generate(view, prompt, 5, make_rule("full", math.inf)).tokens, generate(view, prompt, 5).tokens)
