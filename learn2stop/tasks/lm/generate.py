@@ -27,10 +27,16 @@ class KVCache:
         self.k, self.v = like.new_zeros(shape), like.new_zeros(shape)
         self.length = 0
 
-    def past(self, layer: int, rows: Tensor | None) -> tuple[Tensor, Tensor]:
-        """The cached (B_rows, H, length, d) keys and values of 0-based ``layer`` (rows None: all)."""
-        k, v = self.k[layer][:, :, :self.length], self.v[layer][:, :, :self.length]
-        return (k, v) if rows is None else (k[rows], v[rows])
+    def store(self, layer: int, rows: Tensor | None, start: int):
+        """The ``store`` of :meth:`~.models.Block.cached` at 0-based ``layer`` for the rows ``rows`` (None: all):
+        ``store(k, v)`` writes (B_rows, H, N, d) keys and values at positions start..start + N - 1 and returns the
+        rows' cached (B_rows, H, start + N, d) ones (a view of the cache when every row runs)."""
+        def store(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+            self.write(layer, rows, k, v, start)
+            end = start + k.shape[2]
+            keys, values = self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+            return (keys, values) if rows is None else (keys[rows], values[rows])
+        return store
 
     def write(self, layer: int, rows: Tensor | None, k: Tensor, v: Tensor, start: int) -> None:
         """Store (B_rows, H, N, d) keys and values at positions start..start + N - 1 of 0-based ``layer``."""
@@ -112,8 +118,7 @@ def prefill(gpt: GPT, cache: KVCache, idx: Tensor) -> Tensor:
     """Run idx (B, N) at full depth after the cached positions, caching every layer: the last hidden state (B, C)."""
     h = gpt.embed(idx, cache.length)
     for layer, block in enumerate(gpt.blocks):
-        h, k, v = block.cached(h, *cache.past(layer, None))
-        cache.write(layer, None, k, v, cache.length)
+        h = block.cached(h, cache.store(layer, None, cache.length))
     cache.length += idx.shape[1]
     return h[:, -1]
 
@@ -175,8 +180,7 @@ def decode_token(view: StepwiseGPT, cache: KVCache, token: Tensor, exit_rule=Non
 
     def run_layers(t: int, h: Tensor, rows: Tensor | None) -> Tensor:
         for layer in view.layers_of(t):
-            h, k, v = gpt.blocks[layer - 1].cached(h, *cache.past(layer - 1, rows))
-            cache.write(layer - 1, rows, k, v, pos)
+            h = gpt.blocks[layer - 1].cached(h, cache.store(layer - 1, rows, pos))
         return h
 
     def complete(t: int, h: Tensor, stopped: Tensor) -> None:

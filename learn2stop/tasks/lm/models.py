@@ -74,16 +74,18 @@ class Block(nn.Module):
         x = x + self.drop(y)
         return x + self.mlp(self.ln_2(x))
 
-    def cached(self, x: Tensor, past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, N, C), the next N positions after P cached ones (past_k, past_v: (B, H, P, d)): the block's output
-        (B, N, C) and the new positions' keys and values (B, H, N, d), for the caller to cache."""
+    def cached(self, x: Tensor, store) -> Tensor:
+        """x (B, N, C), the next N positions after P cached ones: the block's output (B, N, C). ``store(k, v)`` takes
+        the new positions' keys and values (B, H, N, d) to cache and returns every cached position's (B, H, P + N, d),
+        theirs included (:meth:`~.generate.KVCache.store`: written in place, then read, with no concatenation)."""
         q, k, v = self.attn.qkv(self.ln_1(x))
-        P, N = past_k.shape[2], x.shape[1]
-        keys, values = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)  # (B, H, P + N, d)
+        keys, values = store(k, v)
+        N = x.shape[1]
+        P = keys.shape[2] - N
         mask = None
         if N > 1:  # query i (at position P + i) sees keys 0..P + i
             mask = torch.arange(P + N, device=x.device) <= P + torch.arange(N, device=x.device)[:, None]
-        return self.finish(x, self.attn.attend(q, keys, values, mask)), k, v
+        return self.finish(x, self.attn.attend(q, keys, values, mask))
 
 
 class GPT(nn.Module):

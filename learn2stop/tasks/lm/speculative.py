@@ -61,9 +61,7 @@ def self_speculative_decode(gpt: GPT, prompt: Tensor, max_new_tokens: int, draft
         m = min(num_draft, max_new_tokens - len(out) - 1, gpt.cfg.context - 1 - n)  # drafts this round
         hidden, drafts = _draft(gpt, cache, token, n, m, draft_layer)  # (1, m + 1, C), m tokens
         for layer in range(draft_layer, L):  # verify: the later layers on every drafted position at once
-            past = cache.k[layer][:, :, :n], cache.v[layer][:, :, :n]
-            hidden, k, v = gpt.blocks[layer].cached(hidden, *past)
-            cache.write(layer, None, k, v, n)
+            hidden = gpt.blocks[layer].cached(hidden, cache.store(layer, None, n))
         full = gpt.head(hidden)[0].argmax(-1)  # (m + 1,) the full model's next token after each position
         j = 0
         while j < m and int(drafts[j]) == int(full[j]):
@@ -84,9 +82,7 @@ def _draft(gpt: GPT, cache: KVCache, token: Tensor, n: int, m: int, k: int) -> t
     for j in range(m + 1):
         h = gpt.embed(token[:, None], n + j)  # (1, 1, C)
         for layer in range(k):
-            past = cache.k[layer][:, :, :n + j], cache.v[layer][:, :, :n + j]
-            h, kk, vv = gpt.blocks[layer].cached(h, *past)
-            cache.write(layer, None, kk, vv, n + j)
+            h = gpt.blocks[layer].cached(h, cache.store(layer, None, n + j))
         hidden.append(h)
         if j < m:
             token = gpt.head(h[:, 0]).argmax(-1)  # (1,)
