@@ -247,7 +247,7 @@ class LmConfig:
     """The GPT and its policy."""
     method: LmMethodConfig = field(default_factory=LmMethodConfig)
     """The oracle and deep supervision."""
-    baseline: LmStageConfig = field(default_factory=lambda: LmStageConfig(iters=1000))
+    baseline: LmStageConfig = field(default_factory=lambda: LmStageConfig(iters=2000))
     """The plain GPT, trained at full depth."""
     deep: LmStageConfig = field(default_factory=lambda: LmStageConfig(iters=300, lr=1e-3, warmup=20))
     """Deep supervision, fine-tuned from the baseline's weights."""
@@ -283,7 +283,7 @@ class LmConfig:
 
 
 PRESETS: dict[str, dict] = {
-    # a 6 x 128 character GPT on Tiny Shakespeare, everything on two CPU threads in about 20 minutes; the policy reads
+    # a 6 x 128 character GPT on Tiny Shakespeare, everything on one CPU thread in about 35 minutes; the policy reads
     # the exit's signals and is fitted to the event that Learn-then-Test certifies (docs/lm.md: the policy)
     "quick": {"model": {"policy": "signals"}, "method": {"stage2_target": "risk"}},
     # a few seconds: a 2 x 32 GPT, a handful of steps (tests, smoke runs)
