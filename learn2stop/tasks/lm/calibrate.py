@@ -19,9 +19,8 @@ from ...utils.outputs import check_previous_file, keep_previous_file
 from ...utils.report import markdown_table, write_json
 from ..base import RunContext, as_run
 from .config import LmConfig
-from .evaluate import STAGE1_RULES, deployable, prompts_of, stage1_row, time_rows
+from .evaluate import STAGE1_RULES, deployable, draft_plan, prompts_of, stage1_row, time_rows
 from .metric import MeasuredRisk, budget_rule, calibrate_rule, costs_of, trace_split, windows
-from .speculative import plan_draft
 
 DEPLOYED = "deployed.json"
 
@@ -85,9 +84,7 @@ def calibrate(cfg: LmConfig, run: RunContext | str | Path) -> dict:
         rows.append({"row": label, "backbone": "stage1", "rule": r, "threshold": threshold,
                      "val_loss": float(measured.reference.losses[:, -1].mean() + risk.mean())
                      if c.risk == "loss" else None, "mean_layers": cal.calibration["mean_cost"] * L})
-    agree = {k: float((trace.greedy[:, e] == trace.greedy[:, -1]).float().mean())
-             for e, k in enumerate(s1.cfg.exit_layers[:-1])}
-    draft, n_draft, _ = plan_draft(agree, L) if agree else (1, 1, 1.0)
+    draft, n_draft, _ = draft_plan(cfg, s1, trace, splits.val)
     batch = o.speed_batch or 1
     if o.fastest:
         run.log(f"timing generation at batch {batch} ...")

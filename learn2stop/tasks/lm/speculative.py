@@ -8,6 +8,8 @@ accepted prefix are left in the cache to be overwritten. Shapes as in :mod:`.mod
 """
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -90,24 +92,49 @@ def _draft(gpt: GPT, cache: KVCache, token: Tensor, n: int, m: int, k: int) -> t
     return torch.cat(hidden, 1), torch.cat(drafts) if drafts else token.new_empty(0)
 
 
-def plan_draft(agreement: dict[int, float], n_layer: int, max_draft: int = 8) -> tuple[int, int, float]:
-    """The draft layer k and draft length m that make the most tokens per layer run, from ``agreement``: exit layer
-    k (< ``n_layer``) -> the share of tokens whose exit-k greedy token is the full model's (measured on validation).
+def draft_plans(agreement: dict[int, float], n_layer: int, max_draft: int = 8) -> list[tuple[int, int, float]]:
+    """Every draft layer k and draft length m, best first by the tokens per layer run they are expected to make,
+    from ``agreement``: exit layer k (< ``n_layer``) -> the share of tokens whose exit-k greedy token is the full
+    model's (measured on validation).
 
     A round runs layers 1..k on the input token and m drafts, then layers k+1..L once on all m + 1 positions,
-    (m + 1) k + L - k layer runs, counting a layer on m + 1 positions as one run (the model's assumption: at batch
-    1 a small layer's time is mostly per-call overhead); with each draft
-    accepted with probability a, it yields 1 + a + ... + a^m tokens. Greedy decoding runs L layers a token. Returns
-    (k, m, the expected speed-up over greedy decoding in layer runs)."""
+    (m + 1) k + L - k layer runs, counting a layer on m + 1 positions as one run; with each draft accepted with
+    probability a, it yields 1 + a + ... + a^m tokens. Greedy decoding runs L layers a token. Returns
+    [(k, m, the expected speed-up over greedy decoding in layer runs), ...]. On a CPU at batch 1 a layer on m + 1
+    positions costs more than one run, so :func:`fastest_draft` times the first few."""
     if not agreement:
-        raise ValueError("plan_draft needs the agreement of at least one exit before the last layer")
-    best = None
+        raise ValueError("draft_plans needs the agreement of at least one exit before the last layer")
+    plans = []
     for k, a in sorted(agreement.items()):
         if not 1 <= k < n_layer:
-            raise ValueError(f"plan_draft: exit layer {k} is not before the last layer ({n_layer})")
+            raise ValueError(f"draft_plans: exit layer {k} is not before the last layer ({n_layer})")
         for m in range(1, max_draft + 1):
             tokens = sum(a ** i for i in range(m + 1))
-            gain = tokens * n_layer / ((m + 1) * k + n_layer - k)
-            if best is None or gain > best[2]:
-                best = (k, m, gain)
-    return best
+            plans.append((k, m, tokens * n_layer / ((m + 1) * k + n_layer - k)))
+    return sorted(plans, key=lambda p: -p[2])
+
+
+def fastest_draft(gpt: GPT, prompt: Tensor, plans: list[tuple[int, int, float]], tokens: int,
+                  rounds: int = 3) -> tuple[int, int, float]:
+    """Of ``plans`` (:func:`draft_plans`), the (k, m) whose self-speculative decoding of prompt (1, T0) by ``tokens``
+    tokens runs fastest, each timed beside greedy decoding (``rounds`` interleaved passes, the best of each): (k, m,
+    its speed over greedy decoding's on that prompt)."""
+    if not plans:
+        raise ValueError("fastest_draft needs at least one draft plan")
+    from .generate import generate  # the greedy decoding it is timed against
+    from .models import StepwiseGPT
+
+    def seconds(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    view, best = StepwiseGPT(gpt), {(k, m): math.inf for k, m, _ in plans}
+    greedy = math.inf
+    with torch.inference_mode():
+        for _ in range(rounds):
+            greedy = min(greedy, seconds(lambda: generate(view, prompt, tokens)))
+            for k, m in best:
+                best[(k, m)] = min(best[(k, m)], seconds(lambda: self_speculative_decode(gpt, prompt, tokens, k, m)))
+    (k, m), secs = min(best.items(), key=lambda kv: kv[1])
+    return k, m, greedy / secs

@@ -206,19 +206,27 @@ def test_bad_speculative_settings_are_refused(kwargs, match):
         self_speculative_decode(tiny_gpt(0), torch.zeros(2, 3, dtype=torch.long), 4, 2)
 
 
-def test_the_draft_plan_maximises_tokens_per_layer_run():
-    from learn2stop.tasks.lm.speculative import plan_draft
+def test_the_draft_plans_rank_tokens_per_layer_run_and_the_fastest_is_timed():
+    from learn2stop.tasks.lm.speculative import draft_plans, fastest_draft
 
     # exits that always agree: the shallowest, drafting as far as allowed; 9 tokens for 9 + 5 layer runs
-    k, m, gain = plan_draft({1: 1.0, 3: 1.0}, 6, max_draft=8)
+    k, m, gain = draft_plans({1: 1.0, 3: 1.0}, 6, max_draft=8)[0]
     assert (k, m) == (1, 8) and gain == pytest.approx(9 * 6 / 14)
     # a shallow exit that rarely agrees loses to a deeper one that mostly does
-    k, m, gain = plan_draft({1: 0.1, 3: 0.95}, 6)
+    plans = draft_plans({1: 0.1, 3: 0.95}, 6)
+    k, m, gain = plans[0]
     tokens = sum(0.95 ** i for i in range(m + 1))
     assert k == 3 and gain == pytest.approx(tokens * 6 / ((m + 1) * 3 + 3)) and gain > 1.4
+    assert len(plans) == 16 and [p[2] for p in plans] == sorted((p[2] for p in plans), reverse=True)
     # no exit agrees: nothing pays; one draft at the first exit costs the least
-    k, m, gain = plan_draft({1: 0.0, 2: 0.0}, 4)
+    k, m, gain = draft_plans({1: 0.0, 2: 0.0}, 4)[0]
     assert (k, m) == (1, 1) and gain < 1
     for bad in ({}, {4: 0.5}):
-        with pytest.raises(ValueError, match="plan_draft"):
-            plan_draft(bad, 4)
+        with pytest.raises(ValueError, match="draft_plans"):
+            draft_plans(bad, 4)
+    # the timed choice is one of the plans given, with a positive speed against greedy decoding
+    gpt = tiny_gpt(0)
+    k, m, speed = fastest_draft(gpt, torch.zeros(1, 3, dtype=torch.long), [(2, 1, 1.0), (1, 2, 1.0)], 6, rounds=1)
+    assert (k, m) in ((2, 1), (1, 2)) and speed > 0
+    with pytest.raises(ValueError, match="at least one draft plan"):
+        fastest_draft(gpt, torch.zeros(1, 3, dtype=torch.long), [], 6)
