@@ -283,9 +283,9 @@ class LmConfig:
 
 
 PRESETS: dict[str, dict] = {
-    # a 6 x 128 character GPT on Tiny Shakespeare, everything on one CPU thread in about 35 minutes; the policy reads
-    # the exit's signals and is fitted to the event that Learn-then-Test certifies (docs/lm.md: the policy)
-    "quick": {"model": {"policy": "signals"}, "method": {"stage2_target": "risk"}},
+    # a 6 x 128 character GPT on Tiny Shakespeare, about 20 minutes on two CPU threads; a flat oracle (beta 10) trains
+    # every exit; the policy reads the exit's signals, fitted to the event that Learn-then-Test certifies
+    "quick": {"model": {"policy": "signals"}, "method": {"beta": 10.0, "stage2_target": "risk"}},
     # a few seconds: a 2 x 32 GPT, a handful of steps (tests, smoke runs)
     "tiny": {"model": {"context": 32, "n_layer": 3, "n_head": 2, "n_embd": 32},
              "baseline": {"iters": 30, "batch": 8, "warmup": 5}, "deep": {"iters": 10, "batch": 8, "warmup": 2},
