@@ -151,16 +151,23 @@ def speed_tie(spreads: list[float | None], floor: float = SPEED_TIE_FLOOR, cap: 
     return min(cap, max([floor, *(v for v in spreads if v is not None)]))
 
 
-def fastest_certified(speeds: dict[str, float], costs: dict[str, float], tie: float = SPEED_TIE_FLOOR) -> str | None:
+def fastest_certified(speeds: dict[str, float], costs: dict[str, float | None], tie: float = SPEED_TIE_FLOOR) -> str | None:
     """The candidate a user serving at one batch size deploys: the fastest (``speeds``: name -> samples/s), with the
     candidates within ``tie`` of it counted as tied (:func:`speed_tie`) and the tie going to the least validation
-    cost (``costs``: name -> mean cost as a fraction of full depth; the baseline at full depth costs 1), then to the
-    baseline (a rule that costs it as much and is no faster beyond the noise only adds early-exit machinery). A rule
-    measured slower than the baseline is never chosen over it. None when nothing was timed."""
+    cost (``costs``: name -> mean cost as a fraction of full depth, the baseline at full depth costing 1; None for a
+    candidate whose speed does not follow from the steps it runs, such as self-speculative decoding's batched
+    verification, which ranks as full depth in a tie), then to the baseline. A rule measured slower than the baseline is never chosen over it, nor one that runs as many steps
+    (cost 1 or more): it adds early-exit machinery to the same computation, so a lead it shows is timing noise the
+    passes' spread did not catch. None when nothing was timed."""
     timed = {n: v for n, v in speeds.items() if v is not None and n in costs}
     if not timed:
         return None
-    best, base = max(timed.values()), timed.get("baseline")
-    # tied with the fastest; never a rule measured slower than the baseline itself (it would buy nothing)
-    near = [n for n, v in timed.items() if v >= (1 - tie) * best and (base is None or n == "baseline" or v >= base)]
-    return min(near, key=lambda n: (costs[n], n != "baseline", -timed[n]))
+    full = costs.get("baseline", 1.0)
+    cost = {n: full if costs[n] is None else costs[n] for n in timed}
+    base = timed.get("baseline")
+    if base is not None:  # only what can be faster than the baseline: fewer steps, and measured no slower
+        timed = {n: v for n, v in timed.items()
+                 if n == "baseline" or (v >= base and (costs[n] is None or costs[n] < full))}
+    best = max(timed.values())
+    near = [n for n, v in timed.items() if v >= (1 - tie) * best]
+    return min(near, key=lambda n: (cost[n], n != "baseline", -timed[n]))

@@ -135,10 +135,21 @@ def test_the_deployment_is_the_fastest_certified_rule_with_ties_to_the_least_cos
     # rules not timed (None), or without a calibration (no cost), are not candidates
     assert fastest_certified({"baseline": 100.0, "price": None, "unknown": 999.0}, costs) == "baseline"
     assert fastest_certified({}, costs) is None
-    # a full-depth rule of the stop model, as costly as the baseline and within the noise of it: the baseline
+    # a full-depth rule of the stop model runs the baseline's steps: measured faster, within the noise or beyond it,
+    # it is still the baseline's computation plus the rule's, so the baseline is deployed
     full = {"baseline": 1.0, "fixed": 1.0}
     assert fastest_certified({"baseline": 100.0, "fixed": 100.0 * (1 + SPEED_TIE / 2)}, full) == "baseline"
-    assert fastest_certified({"baseline": 100.0, "fixed": 100.0 * (1 + 2 * SPEED_TIE)}, full) == "fixed"
+    assert fastest_certified({"baseline": 100.0, "fixed": 113.0}, full) == "baseline"
+    # and a full-cost rule measured fastest does not widen the tie that a cheaper rule is judged in
+    costs3 = {"baseline": 1.0, "full": 1.0, "price": 0.7}
+    assert fastest_certified({"baseline": 100.0, "full": 140.0, "price": 120.0}, costs3) == "price"
+    # a candidate whose speed does not follow from its steps (no cost) may beat the baseline; in a tie it counts as
+    # full depth
+    spec = {"baseline": 1.0, "speculative": None, "price": 0.7}
+    assert fastest_certified({"baseline": 100.0, "speculative": 125.0, "price": 110.0}, spec) == "speculative"
+    assert fastest_certified({"baseline": 100.0, "speculative": 125.0, "price": 124.0}, spec) == "price"
+    # without a timed baseline, the fastest of the rest
+    assert fastest_certified({"fixed": 130.0, "price": 90.0}, costs) == "fixed"
 
 
 def test_the_tie_margin_is_the_timing_spread_so_a_noisy_table_ties_and_a_tight_one_does_not():

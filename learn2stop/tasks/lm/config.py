@@ -160,9 +160,9 @@ class LmMethodConfig:
     deep_weights: str = "uniform"
     """Deep supervision's exit weights: uniform | increasing (LayerSkip-style, w_t proportional to t)."""
     stage2_target: str = "oracle"
-    """What Stage II fits: oracle (forward KL to q*, the paper's) | risk (a logistic regression, per token and exit,
-    of whether stopping there loses nothing against the calibration reference's full depth, ``calibration.risk``:
-    the event Learn-then-Test certifies, here on training windows at full depth before the token)."""
+    """What Stage II fits: oracle (forward KL to q*, the paper's) | risk (a regression, per token and exit, of the
+    risk Learn-then-Test certifies, ``calibration.risk``, against the calibration reference's full depth: the loss
+    gain in nats by least squares, or agreement with its greedy token by logistic regression)."""
 
     def __post_init__(self):
         positive(self.beta, "method.beta")

@@ -214,7 +214,7 @@ def deployable(rows: dict[str, dict], timing: dict, L: int, batch: int = 1,
     fewer layers (the row's ``layers``), then to the GPT."""
     timed = {n: timing[r["row"]] for n, r in rows.items() if r["row"] in timing}
     speeds = {n: t["generate"].get(batch) for n, t in timed.items()}
-    costs = {n: (r.get(layers) or L) / L for n, r in rows.items()}
+    costs = {n: None if r.get(layers) is None else r[layers] / L for n, r in rows.items()}  # speculative: None
     tie = speed_tie([t["spread"].get(batch) for t in timed.values()])
     return rows[fastest_certified(speeds, costs, tie) or "baseline"], tie
 

@@ -6,7 +6,7 @@ sum_t q*(t) CE_t with the oracle q*(t) proportional to exp(-(CE_t + price c_t) /
 :func:`~learn2stop.core.distributions.oracle_distribution` under :func:`~learn2stop.core.distributions.log_cost_prior`,
 c_t = layers / L), and Stage II the policy's stop-time distribution fitted to q* by forward KL with the backbone
 frozen (:func:`~learn2stop.core.losses.stage2_forward_kl`), or, with ``method.stage2_target`` risk, its stop logits
-fitted by logistic regression to whether stopping loses nothing against the calibration reference
+regressed on the per-token risk of stopping that Learn-then-Test bounds, against the calibration reference
 (:func:`risk_batch`). Deep supervision starts from the baseline's weights,
 Stage I from deep supervision's (:data:`STARTS_FROM`). Each stage's result is one atomic checkpoint; a finished
 stage is loaded, not run again.
@@ -150,28 +150,38 @@ def stage2_loss(cfg: LmConfig, gpt: GPT, policy, states: list[Tensor], logits: l
 def risk_batch(gpt: GPT, reference: GPT, x: Tensor, y: Tensor, risk: str,
                reads_logits: bool) -> tuple[list[Tensor], list[Tensor] | None, Tensor]:
     """What Stage II reads with ``method.stage2_target`` risk: :func:`policy_batch`'s states and logits, and the
-    (N, E - 1) targets, 1 where stopping at exit t loses nothing against ``reference``'s full depth (``risk`` loss:
-    a cross-entropy no higher; agreement: the same greedy token), the events whose mean Learn-then-Test bounds."""
+    (N, E - 1) targets of stopping at exit t against ``reference``'s full depth, the per-token quantities whose mean
+    Learn-then-Test bounds: with ``risk`` loss, the gain in nats (the reference's cross-entropy minus the exit's, the
+    negated risk); with agreement, 1 where the exit's greedy token is the reference's."""
     states, logits, losses = policy_batch(gpt, x, y, True)
     with torch.no_grad():
         ref = logits[-1] if reference is gpt else reference(x).flatten(0, 1)  # (N, V) its full depth
         if risk == "loss":
-            safe = losses <= exit_cross_entropy([ref], y)
+            target = exit_cross_entropy([ref], y) - losses
         else:
-            safe = torch.stack(logits, 1).argmax(-1) == ref.argmax(-1)[:, None]
-    return states, logits if reads_logits else None, safe[:, :-1].float()
+            target = (torch.stack(logits, 1).argmax(-1) == ref.argmax(-1)[:, None]).float()
+    return states, logits if reads_logits else None, target[:, :-1]
 
 
-def stage2_risk_loss(policy, states: list[Tensor], logits: list[Tensor] | None, safe: Tensor) -> Tensor:
-    """Binary cross-entropy of the policy's (N, E - 1) stop logits against :func:`risk_batch`'s targets."""
-    return F.binary_cross_entropy_with_logits(policy_stop_logits(policy, states, logits), safe)
+def stage2_risk_loss(policy, states: list[Tensor], logits: list[Tensor] | None, target: Tensor,
+                     risk: str) -> Tensor:
+    """The policy's (N, E - 1) stop logits fitted to :func:`risk_batch`'s targets: with ``risk`` loss a least-squares
+    regression of the gain (the logit estimates the expected gain of stopping, so thresholding it stops the tokens
+    of least expected loss first, the order that keeps a mean loss bound at the fewest layers; a 0/1 "loses
+    nothing" label would rank a token that loses 0.001 nats with one that loses 3); with agreement a logistic
+    regression of agreement (the expected 0/1 risk)."""
+    s = policy_stop_logits(policy, states, logits)
+    if risk == "loss":
+        return F.mse_loss(s, target)
+    return F.binary_cross_entropy_with_logits(s, target)
 
 
 def stage2_objective(cfg: LmConfig, gpt: GPT, policy, reference: GPT):
     """Stage II's loss of a batch (x, y) under ``method.stage2_target``, ``reference`` the calibration's model."""
     if cfg.method.stage2_target == "risk":
-        return lambda x, y: stage2_risk_loss(policy, *risk_batch(gpt, reference, x, y, cfg.calibration.risk,
-                                                                 policy.reads_logits))
+        risk = cfg.calibration.risk
+        return lambda x, y: stage2_risk_loss(policy, *risk_batch(gpt, reference, x, y, risk, policy.reads_logits),
+                                             risk)
     return lambda x, y: stage2_loss(cfg, gpt, policy, *policy_batch(gpt, x, y, policy.reads_logits))
 
 
