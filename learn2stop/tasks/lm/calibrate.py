@@ -6,7 +6,9 @@ token's later layers propagated) to keep the per-token risk over the plain GPT's
 exit runs at most B of the layers. ``--rule R`` fits one rule (default: the policy) and deploys it; ``--fastest``
 fits every rule, times each beside the plain GPT at ``--speed-batch`` (default 1), and deploys the fastest among
 those within epsilon of the GPT's validation loss (any of them under a budget), ties within the timing's spread
-going to fewer layers. ``deployed.json`` is rewritten; the one it replaces is kept in ``deployed.previous.json``.
+going to fewer layers. ``deployed.json`` is rewritten; the one it replaces is kept in ``deployed.previous.json``,
+and its self-speculative draft plan (timed by ``evaluate`` on Stage I, which calibration does not change) carried
+over.
 """
 from __future__ import annotations
 
@@ -34,6 +36,19 @@ def _not_ours(path: Path) -> str | None:
     except (ValueError, OSError):
         return "not JSON"
     return None if isinstance(data, dict) and {"rule", "thresholds"} <= set(data) else "not a deployment record"
+
+
+def _previous_plan(path: Path) -> tuple[int, int] | None:
+    """The self-speculative draft plan (draft layer, drafts) of the deployment record at ``path``, if it has one."""
+    import json
+
+    try:
+        plan = json.loads(path.read_text(encoding="utf-8"))["speculative"]
+        draft, n_draft = plan["draft_layer"], plan["num_draft"]
+    except (ValueError, OSError, KeyError, TypeError):
+        return None
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (draft, n_draft))
+    return (draft, n_draft) if ok else None
 
 
 def calibrate(cfg: LmConfig, run: RunContext | str | Path) -> dict:
@@ -84,7 +99,8 @@ def calibrate(cfg: LmConfig, run: RunContext | str | Path) -> dict:
         rows.append({"row": label, "backbone": "stage1", "rule": r, "threshold": threshold,
                      "val_loss": float(measured.reference.losses[:, -1].mean() + risk.mean())
                      if c.risk == "loss" else None, "mean_layers": cal.calibration["mean_cost"] * L})
-    draft, n_draft, _ = draft_plan(cfg, s1, trace, splits.val)
+    plan = _previous_plan(path)  # Stage I's, so the one the replaced record timed still holds
+    draft, n_draft = plan if plan is not None else draft_plan(cfg, s1, trace, splits.val)[:2]
     batch = o.speed_batch or 1
     if o.fastest:
         run.log(f"timing generation at batch {batch} ...")

@@ -99,19 +99,28 @@ def test_generate_streams_text_and_reports_depth_and_speed(trained, capsys):
 
 
 def test_calibrate_certifies_a_new_epsilon_on_real_early_exit_and_keeps_the_deployment_it_replaces(trained, tmp_path,
-                                                                                                   capsys):
+                                                                                                   capsys, monkeypatch):
     import shutil
+
+    from learn2stop.tasks.lm import calibrate as lm_calibrate
 
     src, corpus = trained
     run_dir = tmp_path / "run"
     shutil.copytree(src, run_dir, ignore=shutil.ignore_patterns(".lock"))
     before = (run_dir / "deployed.json").read_text()
+    plan = json.loads(before)["speculative"]
+
+    def timed_again(*args):
+        raise AssertionError("the draft plan was timed again")
+
+    monkeypatch.setattr(lm_calibrate, "draft_plan", timed_again)  # the record's plan is carried over, not re-timed
     assert main(["lm", "calibrate", *tiny(run_dir, corpus, "--epsilon", "0.2", "--fastest")]) == 0
     out = capsys.readouterr().out
     assert "gen tok/s b=1" in out and "(deployed)" in out
     assert (run_dir / "deployed.previous.json").read_text() == before
     deployed = json.loads((run_dir / "deployed.json").read_text())
     assert set(deployed["thresholds"]) == {"policy", "margin", "saturation", "fixed"} and deployed["target"] == {"epsilon": 0.2, "delta": 0.1, "risk": "loss"}
+    assert deployed["speculative"] == plan
     for cal in deployed["calibration"]["stage1"].values():
         assert cal["target"]["epsilon"] == 0.2 and (cal["calibration"]["risk"] <= 0.2 or cal["threshold"] is None)
     assert main(["lm", "calibrate", *tiny(run_dir, corpus, "--budget", "0.5", "--rule", "saturation")]) == 0
