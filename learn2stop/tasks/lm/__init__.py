@@ -13,6 +13,7 @@ from .data import (  # noqa: F401
 )
 from .generate import Generation, KVCache, decode_token, generate, prefill  # noqa: F401
 from .models import GPT, StepwiseGPT, score_with_exits  # noqa: F401
+from .rules import ExitRule, make_rule  # noqa: F401
 from .speculative import SpeculativeResult, self_speculative_decode  # noqa: F401
 from .commands import evaluate, generate_command, reproduce, train  # noqa: F401
 from . import app  # noqa: F401,E402  (registers the task)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .models import GPT, StepwiseGPT
-from .rules import fixed_depth, reads_logits
+from .rules import as_exit_rule, fixed_depth, reads_logits
 
 
 class KVCache:
@@ -210,7 +210,7 @@ def exit_rows(num_steps: int, h: Tensor, run_layers, head, complete, exit_rule=N
     where rows stop). A rule that stops every row at one step (:func:`~.rules.fixed_depth`) runs that many steps and
     the head once, as a truncated model: nothing is asked, and the later layers, which no token reaches, are not
     completed."""
-    B = h.shape[0]
+    B, exit_rule = h.shape[0], as_exit_rule(exit_rule)
     depth = fixed_depth(exit_rule, num_steps)
     if depth is not None:
         for t in range(1, depth + 1):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import GPTConfig
-from .rules import fixed_depth, reads_logits
+from .rules import as_exit_rule, fixed_depth, reads_logits
 
 
 class CausalSelfAttention(nn.Module):
@@ -260,6 +260,7 @@ def score_with_exits(view: StepwiseGPT, idx: Tensor, exit_rule) -> tuple[Tensor,
     (:func:`~.rules.fixed_depth`) runs that many steps as a truncated model, asking nothing. Returns the (B, T, V)
     logits of each position at its exit and its (B, T) 1-based exit step.
     """
+    exit_rule = as_exit_rule(exit_rule)
     state = view.initial_state(idx)
     depth = fixed_depth(exit_rule, view.num_steps)
     if depth is not None:

@@ -15,20 +15,52 @@ scoring and generation then run that many steps as a plain truncated model, aski
 The oracle (each token's best exit given its label) is not a rule of this form: it needs the labels, so it is a
 bound, scored with a known exit per position (:func:`planned_rule`).
 
-A rule may say it does not read the logits (``reads_logits = False``: saturation, fixed, full, planned, and a policy
-that reads the hidden state alone): generation then runs the exit's readout (final norm and LM head) only for the
-tokens that stop there, not at every exit asked, and the rule gets None for them (:func:`reads_logits`; absent: it
-reads them).
+Every rule here is an :class:`ExitRule`: the decision and what scoring and generation need to know of it, declared
+(``reads_logits``, ``depth``). A rule that does not read the logits (saturation, fixed, full, planned, and a policy
+that reads the hidden state alone) gets None for them, and generation then runs the exit's readout (final norm and
+LM head) only for the tokens that stop there. A plain function given as a rule is taken as one that reads the logits
+and decides per token (:func:`as_exit_rule`).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 RULES = ("policy", "margin", "saturation", "fixed", "full")
+
+
+@dataclass(frozen=True)
+class ExitRule:
+    """A per-token exit rule: ``decide(t, logits, h, h_prev) -> bool mask`` (stop now), and what running it needs.
+
+    ``reads_logits``: whether ``decide`` reads the exit's logits (if not it gets None, and the readout runs only
+    where tokens stop); ``depth``: the step by which it stops every token whatever it reads (inf: never early; None:
+    it decides per token), so that a model cut there runs instead and nothing is asked."""
+
+    decide: Callable[[int, Tensor | None, Tensor, Tensor], Tensor]
+    name: str = "custom"
+    lam: float = math.nan
+    reads_logits: bool = True
+    depth: float | None = None
+
+    def __call__(self, t: int, logits: Tensor | None, h: Tensor, h_prev: Tensor) -> Tensor:
+        return self.decide(t, logits, h, h_prev)
+
+
+def as_exit_rule(rule) -> ExitRule | None:
+    """``rule`` as an :class:`ExitRule`: None (no rule) and an ExitRule as given, a plain function
+    ``(t, logits, h, h_prev) -> bool mask`` as one that reads the logits and decides per token."""
+    if rule is None or isinstance(rule, ExitRule):
+        return rule
+    if callable(rule):
+        return ExitRule(rule)
+    raise TypeError(f"exit_rule must be None, an ExitRule or a function (t, logits, h, h_prev) -> bool mask; "
+                    f"got {type(rule).__name__}")
 
 
 def softmax_margin(logits: Tensor) -> Tensor:
@@ -56,8 +88,8 @@ def signal_of(name: str, t: int, logits: Tensor, h: Tensor, h_prev: Tensor) -> T
     raise ValueError(f"rule must be one of {', '.join(RULES)}; got {name!r}")
 
 
-def make_rule(name: str, lam: float, policy=None):
-    """The exit rule ``name`` at threshold ``lam`` (inf: full depth): ``rule(t, logits, h, h_prev) -> bool mask``."""
+def make_rule(name: str, lam: float, policy=None) -> ExitRule:
+    """The exit rule ``name`` at threshold ``lam`` (inf: full depth)."""
     if name not in RULES:
         raise ValueError(f"rule must be one of {', '.join(RULES)}; got {name!r}")
     if not isinstance(lam, (int, float)) or math.isnan(lam):
@@ -68,40 +100,35 @@ def make_rule(name: str, lam: float, policy=None):
     if name == "policy":  # the policy's weights taken once, not looked up at every exit of every token
         stop_probability = policy.stop_probability_fn()
 
-        def rule(t: int, logits: Tensor, h: Tensor, h_prev: Tensor) -> Tensor:
+        def decide(t: int, logits: Tensor, h: Tensor, h_prev: Tensor) -> Tensor:
             return stop_probability(t, logits, h, h_prev) >= lam
     else:
-        def rule(t: int, logits: Tensor, h: Tensor, h_prev: Tensor) -> Tensor:
+        def decide(t: int, logits: Tensor, h: Tensor, h_prev: Tensor) -> Tensor:
             return signal_of(name, t, logits, h, h_prev) >= lam
 
-    rule.name, rule.lam = name, float(lam)
-    rule.reads_logits = name == "margin" or (name == "policy" and policy.reads_logits)
-    rule.depth = None  # decides per token
+    depth = None  # decides per token
     if name == "full" or (name == "fixed" and lam == math.inf):
-        rule.depth = math.inf
+        depth = math.inf
     elif name == "fixed":
-        rule.depth = 1 if lam <= 1 else math.ceil(lam)
-    return rule
+        depth = 1 if lam <= 1 else math.ceil(lam)
+    return ExitRule(decide, name, float(lam), name == "margin" or (name == "policy" and policy.reads_logits), depth)
 
 
-def planned_rule(exits: Tensor):
+def planned_rule(exits: Tensor) -> ExitRule:
     """The rule that stops each position at its given 1-based exit, exits (B, T) (the oracle's bound)."""
-    def rule(t: int, logits: Tensor | None, h: Tensor, h_prev: Tensor) -> Tensor:
-        return exits == t
-
-    rule.reads_logits = False
-    return rule
+    return ExitRule(lambda t, logits, h, h_prev: exits == t, "planned", reads_logits=False)
 
 
 def fixed_depth(rule, num_steps: int) -> int | None:
     """The step by which ``rule`` has stopped every token whatever it reads (``num_steps`` for no rule or one that
-    never stops early), None for a rule that decides per token (its ``depth``; absent: per token)."""
+    never stops early), None for a rule that decides per token (:attr:`ExitRule.depth`)."""
+    rule = as_exit_rule(rule)
     if rule is None:
         return num_steps
-    depth = getattr(rule, "depth", None)
-    return None if depth is None else int(min(depth, num_steps))
+    return None if rule.depth is None else int(min(rule.depth, num_steps))
 
 
 def reads_logits(rule) -> bool:
-    """Whether an exit rule reads the exit's logits (its ``reads_logits``; a rule that does not say reads them)."""
-    return bool(getattr(rule, "reads_logits", True))
+    """Whether an exit rule reads the exit's logits (:attr:`ExitRule.reads_logits`; a plain function does)."""
+    rule = as_exit_rule(rule)
+    return rule is None or rule.reads_logits

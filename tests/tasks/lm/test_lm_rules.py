@@ -9,7 +9,7 @@ import torch
 from lm_reference import tiny_gpt
 
 from learn2stop.tasks.lm import StepwiseGPT, generate, score_with_exits
-from learn2stop.tasks.lm.rules import make_rule, planned_rule, saturation, softmax_margin
+from learn2stop.tasks.lm.rules import ExitRule, fixed_depth, make_rule, planned_rule, reads_logits, saturation, softmax_margin
 
 
 def test_scoring_shows_each_rule_the_exit_state_and_the_one_before():
@@ -53,6 +53,18 @@ def test_margin_and_saturation_masks_on_crafted_inputs():
     assert planned_rule(exits)(2, None, None, None).tolist() == [[False, False], [True, True]]
 
 
+def test_a_plain_function_is_a_rule_that_reads_the_logits_and_decides_per_token_and_a_non_function_is_refused():
+    plain = lambda t, logits, h, h_prev: torch.ones(h.shape[:-1], dtype=torch.bool)  # noqa: E731
+    assert reads_logits(plain) and fixed_depth(plain, 4) is None
+    assert reads_logits(None) and fixed_depth(None, 4) == 4  # no rule: every token at the last step
+    assert fixed_depth(make_rule("fixed", 9.0), 4) == 4 and not reads_logits(make_rule("fixed", 2.0))
+    view = StepwiseGPT(tiny_gpt(4))
+    with pytest.raises(TypeError, match="exit_rule must be None, an ExitRule or a function"):
+        score_with_exits(view, torch.zeros(1, 3, dtype=torch.long), 0.5)
+    with pytest.raises(TypeError, match="exit_rule must be None, an ExitRule or a function"):
+        generate(view, torch.zeros(1, 3, dtype=torch.long), 2, "margin")
+
+
 def test_bad_rules_are_refused_by_name():
     with pytest.raises(ValueError, match="rule must be one of"):
         make_rule("entropy", 0.5)
@@ -67,9 +79,9 @@ def test_a_rule_that_stops_every_token_at_one_step_runs_a_truncated_model_and_is
     fixed = make_rule("fixed", 2.5)  # stops every token at exit 3
     assert fixed.depth == 3 and make_rule("full", math.inf).depth == math.inf and make_rule("margin", 0.5).depth is None
 
-    def asked(*args):
+    def never_asked(*args):
         raise AssertionError("a rule with a fixed depth was asked")
-    asked.depth = 3
+    asked = ExitRule(never_asked, reads_logits=False, depth=3)
     per_token = lambda t, logits, h, h_prev: torch.full(h.shape[:-1], t >= 3)  # the same stops, asked at every exit
     h = gpt.embed(idx)
     for block in gpt.blocks[:3]:
