@@ -190,11 +190,12 @@ def deployment_in_time(app: StoppingApp, cfg: Any, run: Run, sm: StoppingModel, 
         row["speedup"] = {n: row["samples_per_s"][n] / ref[n] for n in row.get("samples_per_s", {}) if n in ref}
         if "samples_per_s" in row:
             row["spread"] = spreads.get(row["rule"], {})
-    fastest = {}
+    fastest = {}  # what deployment would pick with no tie: a rule at the baseline's full cost is not faster
+    costs = {row["rule"]: row.get("mean_cost", 1.0) for row in rows}
     for n in sizes.values():
         got = {row["rule"]: row["samples_per_s"][n] for row in rows if n in row.get("samples_per_s", {})}
         if got:
-            fastest[n] = max(got, key=got.get)
+            fastest[n] = fastest_certified(got, costs, 0.0)
     result = {"metric": metric.name, "reference": f"{app.baseline_label} at full depth", "calibration": how,
               "backend": bname, "device": str(run.device or "cpu"),
               "passes": {str(n): timing_passes(app, n) for n in sorted(set(sizes.values()))},

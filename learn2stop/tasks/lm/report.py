@@ -10,6 +10,7 @@ import torch
 
 from ...core.calibration import candidate_thresholds
 from ...core.rules import first_crossing
+from ...core.timing import fastest_certified
 from ...utils.report import markdown_table, new_figure, save_figure, write_json, write_text_atomic
 
 #: the short rule names of the rows (in_time.json's ``rule``)
@@ -75,10 +76,11 @@ def in_time_record(cfg, out: dict, L: int) -> dict:
                      "tokens_per_s": {str(b): v for b, v in t["generate"].items()}, "score_tokens_per_s": t["score"],
                      **({"description": "self-speculative decoding of Stage I's full depth, matched on validation"}
                         if r["rule"] == "speculative" else {})})
-    for b in sizes:
-        cands = [(base_t[b], "baseline")] + [(x["speedup"][str(b)] * base_t[b], x["rule"]) for x in rows[1:]
-                                             if x["speedup"].get(str(b)) is not None and x["reached"]]
-        fastest[str(b)] = max(cands)[1]
+    costs = {"baseline": 1.0, **{x["rule"]: None if x["rule"] == "speculative" else x["mean_cost"] for x in rows[1:]}}
+    for b in sizes:  # the rule deployment would pick with no tie: a full-depth rule's lead is the timing's noise
+        speeds = {"baseline": 1.0, **{x["rule"]: x["speedup"][str(b)] for x in rows[1:]
+                                      if x["speedup"].get(str(b)) is not None and x["reached"]}}
+        fastest[str(b)] = fastest_certified(speeds, costs, 0.0)
     return {"metric": "test loss (nats/char)", "reference": "GPT, full depth", "batch_sizes": sizes,
             "calibration": f"Learn-then-Test per token, {c.risk} risk over "
                            f"{'the GPT' if c.reference == 'gpt' else 'the same backbone'}'s full depth <= "
