@@ -247,15 +247,15 @@ class LmConfig:
     """The GPT and its policy."""
     method: LmMethodConfig = field(default_factory=LmMethodConfig)
     """The oracle and deep supervision."""
-    baseline: LmStageConfig = field(default_factory=lambda: LmStageConfig(iters=2000))
+    baseline: LmStageConfig = field(default_factory=lambda: LmStageConfig(iters=1500))
     """The plain GPT, trained at full depth."""
-    deep: LmStageConfig = field(default_factory=lambda: LmStageConfig(iters=300, lr=1e-3, warmup=20))
+    deep: LmStageConfig = field(default_factory=lambda: LmStageConfig(iters=200, lr=1e-3, warmup=20))
     """Deep supervision, fine-tuned from the baseline's weights."""
-    stage1: LmStageConfig = field(default_factory=lambda: LmStageConfig(iters=300, lr=1e-3, warmup=20))
-    """Stage I, fine-tuned from the baseline's weights."""
+    stage1: LmStageConfig = field(default_factory=lambda: LmStageConfig(iters=200, lr=1e-3, warmup=20))
+    """Stage I, fine-tuned from deep supervision's weights."""
     stage2: LmStageConfig = field(default_factory=lambda: LmStageConfig(iters=400, batch=16, lr=1e-2, warmup=0,
                                                                         weight_decay=0.0))
-    """Stage II: the policy fitted to q* by forward KL, the backbone frozen."""
+    """Stage II: the policy fitted to ``method.stage2_target``, the backbone frozen."""
     calibration: LmCalibrationConfig = field(default_factory=LmCalibrationConfig)
     """Learn-then-Test."""
     eval: LmEvalConfig = field(default_factory=LmEvalConfig)
@@ -283,7 +283,7 @@ class LmConfig:
 
 
 PRESETS: dict[str, dict] = {
-    # a 6 x 128 character GPT on Tiny Shakespeare, about 20 minutes on two CPU threads; a flat oracle (beta 10) trains
+    # a 6 x 128 character GPT on Tiny Shakespeare, about 16 minutes on two CPU threads; a flat oracle (beta 10) trains
     # every exit; the hidden-state policy regresses the loss that Learn-then-Test bounds
     "quick": {"method": {"beta": 10.0, "stage2_target": "risk"}},
     # a few seconds: a 2 x 32 GPT, a handful of steps (tests, smoke runs)
