@@ -151,14 +151,16 @@ def speed_tie(spreads: list[float | None], floor: float = SPEED_TIE_FLOOR, cap: 
     return min(cap, max([floor, *(v for v in spreads if v is not None)]))
 
 
-def fastest_certified(speeds: dict[str, float], costs: dict[str, float | None], tie: float = SPEED_TIE_FLOOR) -> str | None:
+def fastest_certified(speeds: dict[str, float], costs: dict[str, float | None],
+                      tie: float = SPEED_TIE_FLOOR) -> str | None:
     """The candidate a user serving at one batch size deploys: the fastest (``speeds``: name -> samples/s), with the
     candidates within ``tie`` of it counted as tied (:func:`speed_tie`) and the tie going to the least validation
     cost (``costs``: name -> mean cost as a fraction of full depth, the baseline at full depth costing 1; None for a
     candidate whose speed does not follow from the steps it runs, such as self-speculative decoding's batched
-    verification, which ranks as full depth in a tie), then to the baseline. A rule measured slower than the baseline is never chosen over it, nor one that runs as many steps
-    (cost 1 or more): it adds early-exit machinery to the same computation, so a lead it shows is timing noise the
-    passes' spread did not catch. None when nothing was timed."""
+    verification, which ranks as full depth in a tie), then to the baseline. A rule measured slower than the
+    baseline is never chosen over it, nor one that runs as many steps (cost 1 or more): it adds early-exit machinery
+    to the same computation, so a lead it shows is timing noise the passes' spread did not catch. None when nothing
+    was timed."""
     timed = {n: v for n, v in speeds.items() if v is not None and n in costs}
     if not timed:
         return None

@@ -12,7 +12,7 @@ from ...utils.config_files import preset_config
 
 #: how a token that stops at layer k gets the keys and values of layers k+1..L (CALM's state propagation):
 #: ``copy`` feeds its exit hidden state to each later layer's own key/value projection; ``learned`` first maps it
-#: by a per-layer linear map (initialised to the identity, so it starts as ``copy``)
+#: by a per-layer linear map, fitted by least squares after each backbone's training (``train.fit_propagation``)
 PROPAGATIONS = ("copy", "learned")
 
 #: the per-token stopping policies (``tasks/lm/policy.py``): ``hidden`` reads the hidden state alone, ``signals``

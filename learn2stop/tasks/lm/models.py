@@ -4,8 +4,9 @@ B is the batch, T the sequence length, C = n_embd, H = n_head, d = C / H, V = vo
 
 A token that stops at layer k leaves layers k+1..L without its keys and values, which later tokens attend to. CALM's
 state propagation fills them from the stopped token's hidden state at its exit, with each later layer's own key/value
-projection (after a per-layer linear map when ``propagation="learned"``): a cheap projection, no block. The readout
-at every exit is the model's own final LayerNorm and LM head (shared by every exit, as in CALM and LayerSkip).
+projection (after a per-layer linear map when ``propagation="learned"``, fitted by
+:func:`~.train.fit_propagation`): a cheap projection, no block. The readout at every exit is the model's own final
+LayerNorm and LM head (shared by every exit, as in CALM and LayerSkip).
 """
 from __future__ import annotations
 

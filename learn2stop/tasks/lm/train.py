@@ -37,6 +37,9 @@ STAGES = ("baseline", "deep", "stage1", "stage2")
 #: exit and Stage I never trains the others
 STARTS_FROM = {"deep": "baseline", "stage1": "deep"}
 
+#: batches of training windows the learned propagation maps are fitted on, after each backbone's training
+PROPAGATION_DRAWS = 2
+
 
 def exit_states(gpt: GPT, x: Tensor) -> list[Tensor]:
     """The hidden states (B, T, C) of x (B, T) at the embedding and after every exit layer, at full depth."""
@@ -89,6 +92,38 @@ def backbone_loss(stage: str, cfg: LmConfig, gpt: GPT, x: Tensor, y: Tensor) -> 
         return weighted_step_loss(losses, deep_weights(cfg.method.deep_weights, losses.shape[1]))
     stage1 = (oracle_q(cfg, gpt, losses) * losses).sum(1).mean()  # Stage I, q* held fixed
     return stage1 + cfg.method.full_depth_weight * losses[:, -1].mean()
+
+
+@torch.no_grad()
+def fit_propagation(gpt: GPT, idx: Tensor, ridge: float = 1e-3) -> dict[str, float]:
+    """Fit ``gpt``'s learned propagation maps (``propagation="learned"``) on token windows idx (B, T) by ridge
+    regression: the map of layer l takes the hidden state a token stops with at any exit before l to the state
+    the token would enter block l with at full depth, over every (exit, token) pair, pairs equally weighted.
+    Returns the relative squared error of that prediction, averaged over the layers, for the fitted maps and
+    for ``copy`` (the identity) on the same tokens."""
+    if gpt.propagate_maps is None:
+        raise ValueError('fit_propagation: the model propagates by copy; propagation="learned" has maps to fit')
+    h = gpt.embed(idx)
+    states = [h.flatten(0, 1).double()]  # the residual stream after 0..L blocks, (N, C) each
+    for block in gpt.blocks:
+        h = block(h)
+        states.append(h.flatten(0, 1).double())
+    exits, C = gpt.cfg.exit_layers, gpt.cfg.n_embd
+    fitted, copied = [], []
+    for layer in range(2, gpt.cfg.n_layer + 1):
+        x = torch.cat([states[k] for k in exits if k < layer])  # (N_pairs, C) exit states before the layer
+        y = states[layer - 1].repeat(len(x) // len(states[0]), 1)  # the state block ``layer`` reads
+        x1 = torch.cat([x, x.new_ones(len(x), 1)], 1)
+        gram = x1.T @ x1
+        gram += ridge * gram.diagonal().mean() * torch.eye(C + 1, dtype=gram.dtype)
+        w = torch.linalg.solve(gram, x1.T @ y)  # (C + 1, C)
+        m = gpt.propagate_maps[layer - 2]
+        m.weight.copy_(w[:C].T.to(m.weight))
+        m.bias.copy_(w[C].to(m.bias))
+        scale = (y - y.mean(0)).pow(2).sum()
+        fitted.append(float((x1 @ w - y).pow(2).sum() / scale))
+        copied.append(float((x - y).pow(2).sum() / scale))
+    return {"fitted": sum(fitted) / len(fitted), "copy": sum(copied) / len(copied)}
 
 
 def lr_at(s: LmStageConfig, it: int) -> float:
@@ -226,6 +261,10 @@ def train_stages(cfg: LmConfig, run_dir: Path, train_ids: Tensor, vocab_size: in
             gpt.train()
             history = fit(gpt.parameters(), lambda x, y: backbone_loss(stage, cfg, gpt, x, y), s, draw, log, stage)
             gpt.eval()
+            if gpt.propagate_maps is not None:  # fitted to the backbone as trained (they take no gradient in it)
+                err = fit_propagation(gpt, torch.cat([draw()[0] for _ in range(PROPAGATION_DRAWS)]))
+                log(f"  {stage}: propagation maps fitted, relative error of a skipped layer's input "
+                    f"{err['fitted']:.4f} (copy: {err['copy']:.4f})")
             models[stage] = (gpt, None)
         summary[stage] = {"iters": s.iters, "seconds": time.perf_counter() - t0, "train_loss": history,
                           **(evaluate(stage, *models[stage]) if evaluate else {})}

@@ -8,6 +8,7 @@ from lm_reference import reference_run, tiny_gpt
 
 from learn2stop.core.loop import unroll
 from learn2stop.tasks.lm import GPT, GPTConfig, StepwiseGPT, score_with_exits
+from learn2stop.tasks.lm.train import fit_propagation
 from learn2stop.utils.config import ConfigError
 
 
@@ -80,6 +81,28 @@ def test_learned_propagation_starts_as_copy():
     for layer in (2, 3):
         for a, b in zip(copy.propagated_kv(layer, h), learned.propagated_kv(layer, h)):
             assert torch.equal(a, b)
+
+
+def test_fitted_propagation_gives_a_skipped_layers_keys_and_values_closer_than_copy_on_held_out_tokens():
+    gpt = tiny_gpt(7, propagation="learned")
+    g = torch.Generator().manual_seed(8)
+    err = fit_propagation(gpt, torch.randint(13, (32, 24), generator=g))
+    assert 0 <= err["fitted"] < err["copy"]
+    held = torch.randint(13, (16, 24), generator=g)
+    with torch.no_grad():
+        states = [gpt.embed(held)]
+        for block in gpt.blocks:
+            states.append(block(states[-1]))
+        fitted = copied = 0.0
+        for layer in range(2, gpt.cfg.n_layer + 1):
+            block = gpt.blocks[layer - 1]
+            true = torch.cat(block.attn.kv(block.ln_1(states[layer - 1])))
+            for k in range(1, layer):
+                fitted += float((torch.cat(gpt.propagated_kv(layer, states[k])) - true).pow(2).sum())
+                copied += float((torch.cat(block.attn.kv(block.ln_1(states[k]))) - true).pow(2).sum())
+    assert fitted < copied
+    with pytest.raises(ValueError, match="propagates by copy"):
+        fit_propagation(tiny_gpt(7), held)
 
 
 def test_the_lm_head_is_tied_to_the_token_embedding():

@@ -9,7 +9,8 @@ import torch
 from lm_reference import tiny_gpt
 
 from learn2stop.tasks.lm import StepwiseGPT, generate, score_with_exits
-from learn2stop.tasks.lm.rules import ExitRule, fixed_depth, make_rule, planned_rule, reads_logits, saturation, softmax_margin
+from learn2stop.tasks.lm.rules import (ExitRule, fixed_depth, make_rule, planned_rule, reads_logits, saturation,
+                                        softmax_margin)
 
 
 def test_scoring_shows_each_rule_the_exit_state_and_the_one_before():

@@ -138,6 +138,24 @@ def test_a_short_training_lowers_the_loss_and_resumes(tmp_path):
     assert torch.equal(again["models"]["stage2"][1].first.weight, w)
 
 
+def test_learned_propagation_is_fitted_after_each_backbone_and_kept_in_its_checkpoint(tmp_path):
+    text = markov_text(3000)
+    vocab = CharVocab.of(text)
+    cfg = preset("tiny", model={"propagation": "learned"}, baseline={"iters": 5}, deep={"iters": 2},
+                 stage1={"iters": 2}, stage2={"iters": 2})
+    lines = []
+    out = train_stages(cfg, tmp_path / "run", vocab.encode(text), len(vocab), log=lines.append)
+    fitted = [m for m in lines if "propagation maps fitted" in m]
+    assert len(fitted) == 3  # baseline, deep supervision, Stage I
+    eye = torch.eye(cfg.model.n_embd)
+    again = train_stages(cfg, tmp_path / "run", vocab.encode(text), len(vocab), log=lambda m: None)
+    for stage in ("baseline", "deep", "stage1"):
+        maps = out["models"][stage][0].propagate_maps
+        assert not torch.allclose(maps[0].weight, eye)  # fitted, no longer the identity it starts as
+        for a, b in zip(maps.parameters(), again["models"][stage][0].propagate_maps.parameters()):
+            assert torch.equal(a, b)
+
+
 def test_calibration_certifies_and_keeps_the_risk_on_held_out_tokens():
     g = torch.Generator().manual_seed(3)
     N, T = 40000, 4
