@@ -98,6 +98,18 @@ def speeds_side_by_side(jobs: list[tuple[Any, Callable[[], Any]]], inputs: Any, 
     return [None if i in skip else b for i, b in enumerate(best)]
 
 
+def seconds(fn: Callable[[], Any]) -> float:
+    """Wall-clock seconds of one call of ``fn``, the GPU's queued work included when CUDA is in use."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def pass_spread(speeds: list[float]) -> float:
     """How far one job's timing passes disagree: the relative gap between its best pass and its median pass,
     ``(best - median) / best`` (0 for one pass, or passes that agree). The best is what is reported, the median

@@ -11,14 +11,13 @@ fastest on a validation prompt, :func:`draft_plan`; its tokens are Stage I's ful
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ...core.rules import first_crossing
-from ...core.timing import fastest_certified, pass_spread, speed_tie
+from ...core.timing import fastest_certified, pass_spread, seconds, speed_tie
 from ...utils.report import write_json
 from .config import LmConfig
 from .generate import generate
@@ -60,15 +59,6 @@ def _generate_all(view, prompts, n, rule, batch: int = 64):
             toks.append(out.tokens[:, prompts.shape[1]:])
             used.append(layers[out.exit_steps - 1])
     return torch.cat(toks), torch.cat(used).float()
-
-
-def _timed(fn, rounds: int) -> float:
-    best = math.inf
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 #: Stage I's certified rules, in the order of the tables
@@ -253,11 +243,11 @@ def time_rows(cfg: LmConfig, rows, prompts, test, spec: str | None = None, specu
             for label, key, gpt, name, lm, pol in rows:
                 rule, view = rule_for(gpt, name, lm, pol), StepwiseGPT(gpt)
                 for b, p in batches.items():
-                    secs[label]["generate"][b].append(_timed(lambda: generate(view, p, n, rule), 1))
-                secs[label]["score"].append(_timed(lambda: score_split(gpt, x, x, rule), 1))
+                    secs[label]["generate"][b].append(seconds(lambda: generate(view, p, n, rule)))
+                secs[label]["score"].append(seconds(lambda: score_split(gpt, x, x, rule)))
             if spec is not None:
-                secs[spec]["generate"][1].append(_timed(
-                    lambda: speculative(batches[1][:1] if 1 in batches else prompts[:1], n), 1))
+                secs[spec]["generate"][1].append(seconds(
+                    lambda: speculative(batches[1][:1] if 1 in batches else prompts[:1], n)))
     out = {}
     for label, d in secs.items():
         speeds = {b: [b * n / s for s in ts] for b, ts in d["generate"].items()}

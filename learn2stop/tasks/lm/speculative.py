@@ -9,12 +9,12 @@ accepted prefix are left in the cache to be overwritten. Shapes as in :mod:`.mod
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from ...core.timing import seconds
 from .generate import ContextWindow, KVCache, check_prompt, prefill
 from .models import GPT
 
@@ -123,11 +123,6 @@ def fastest_draft(gpt: GPT, prompt: Tensor, plans: list[tuple[int, int, float]],
         raise ValueError("fastest_draft needs at least one draft plan")
     from .generate import generate  # the greedy decoding it is timed against
     from .models import StepwiseGPT
-
-    def seconds(fn) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
 
     view, best = StepwiseGPT(gpt), {(k, m): math.inf for k, m, _ in plans}
     greedy = math.inf
