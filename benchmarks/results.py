@@ -284,8 +284,8 @@ def summary_row(run: str, record: dict | None) -> str:
             note = "the baseline: no certified rule of the stop model runs fewer steps than it"
         else:
             x = quickest["speedup"][served]
-            how = ("every certified rule of the stop model runs slower" if x <= 1 else
-                   "no certified rule of the stop model is faster beyond the spread of the timing passes")
+            how = ("every certified early exit of the stop model runs slower" if x <= 1 else
+                   "no certified early exit of the stop model is faster beyond the spread of the timing passes")
             name = quickest.get("label", quickest["rule"])
             note = f"the baseline: {how} at batch {served} (the fastest, {name}, {x:.2f}×)"
         return f"| {task} | {base} | {note} | {_steps(T)} of {_steps(T)} | 1.00× (the baseline itself) |"

@@ -155,7 +155,7 @@ def test_a_deployed_baseline_says_whether_the_rules_were_slower_or_only_inside_t
     assert reached
     for r in reached:
         r["speedup"][s["batch_sizes"][0]] = 0.9
-    assert "every certified rule of the stop model runs slower" in results.summary_row("lm-quick", record)
+    assert "every certified early exit of the stop model runs slower" in results.summary_row("lm-quick", record)
     early = [r for r in reached if r["mean_cost"] < 1]
     full = [r for r in reached if r["mean_cost"] >= 1]
     assert early and full
