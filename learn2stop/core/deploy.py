@@ -245,6 +245,6 @@ def in_time_markdown(result: dict) -> str:
         f"batch {n}: {names[r]}" for n, r in result["fastest"].items())
                  + f". Deployed: the fastest at the served batch ({result['serve_batch']}, `inference.serve_batch`), "
                    f"ties within {100 * result['tie']:.1f} % (the largest spread of a point's timing passes there, "
-                   f"{100 * SPEED_TIE_FLOOR:.0f} to {100 * SPEED_TIE_CAP:.0f} %) going to the least cost on validation; no rule "
-                   f"measured slower than the baseline is deployed over it.")
+                   f"{100 * SPEED_TIE_FLOOR:.0f} to {100 * SPEED_TIE_CAP:.0f} %) going to the least cost on validation; no "
+                   f"rule measured slower than the baseline, or running as many steps, is deployed over it.")
     return "\n".join(lines)
