@@ -70,7 +70,10 @@ def in_time_record(cfg, out: dict, L: int) -> dict:
             continue
         layers = r["test_mean_layers"] if r["test_mean_layers"] is not None else float(L)
         speed = {str(b): (t["generate"][b] / base_t[b]) if b in t["generate"] else None for b in sizes}
-        rows.append({"rule": short_name(r), "reached": r["val_loss"] <= keeps, "param": r["threshold"],
+        param = r["threshold"]  # the fixed rule's is its exit step: reported as the exit's layer, like mean_steps
+        if r["rule"] == "fixed" and param is not None:
+            param = float(cfg.model.exit_layers[int(param) - 1])
+        rows.append({"rule": short_name(r), "reached": r["val_loss"] <= keeps, "param": param,
                      "metric": r["test_loss"],
                      "mean_steps": layers, "mean_cost": layers / L, "speedup": speed, "label": r["row"],
                      "tokens_per_s": {str(b): v for b, v in t["generate"].items()}, "score_tokens_per_s": t["score"],

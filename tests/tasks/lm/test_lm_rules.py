@@ -97,3 +97,25 @@ def test_a_rule_that_stops_every_token_at_one_step_runs_a_truncated_model_and_is
     reference = generate(view, prompt, 5, per_token)
     assert torch.equal(out.tokens, reference.tokens) and torch.equal(out.exit_steps, torch.full((3, 5), 3))
     assert torch.equal(generate(view, prompt, 5, make_rule("full", math.inf)).tokens, generate(view, prompt, 5).tokens)
+
+
+def test_the_in_time_record_reports_a_fixed_exit_by_its_layer_and_never_credits_full_depth():
+    from learn2stop.tasks.lm import preset
+    from learn2stop.tasks.lm.report import in_time_record
+
+    cfg = preset("tiny", model={"n_layer": 4, "exit_every": 2})  # exits after layers 2 and 4
+
+    def row(label, rule, threshold, layers, val=1.0):
+        return {"row": label, "backbone": "stage1", "rule": rule, "threshold": threshold, "test_loss": 1.0,
+                "test_mean_layers": layers, "val_loss": val}
+    results = [{**row("full depth (GPT)", "full", None, 4.0), "backbone": "baseline"},
+               row("Stage I, full depth", "full", None, 4.0), row("Stage I + fixed exit 2", "fixed", 1.0, 2.0),
+               row("Stage I + CALM margin", "margin", 0.9, 3.0)]
+    speeds = {"full depth (GPT)": 100.0, "Stage I, full depth": 130.0, "Stage I + fixed exit 2": 90.0,
+              "Stage I + CALM margin": 110.0}
+    timing = {k: {"generate": {1: v}, "score": v, "spread": {1: 0.0}} for k, v in speeds.items()}
+    rec = in_time_record(cfg, {"results": results, "timing": timing,
+                               "deployed": {"backbone": "baseline", "row": "full depth (GPT)"}}, 4)
+    rows = {r["rule"]: r for r in rec["rows"]}
+    assert rows["fixed"]["param"] == 2.0 and rows["fixed"]["mean_steps"] == 2.0  # step 1 is layer 2
+    assert rec["fastest"] == {"1": "margin"}  # Stage I at full depth times faster, but runs the GPT's layers
