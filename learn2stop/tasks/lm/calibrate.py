@@ -23,6 +23,7 @@ from ..base import RunContext, as_run
 from .config import LmConfig
 from .evaluate import STAGE1_RULES, deployable, draft_plan, prompts_of, stage1_row, time_rows
 from .metric import MeasuredRisk, budget_rule, calibrate_rule, costs_of, trace_split, windows
+from .speculative import recorded_draft_plan
 
 DEPLOYED = "deployed.json"
 
@@ -36,19 +37,6 @@ def _not_ours(path: Path) -> str | None:
     except (ValueError, OSError):
         return "not JSON"
     return None if isinstance(data, dict) and {"rule", "thresholds"} <= set(data) else "not a deployment record"
-
-
-def _previous_plan(path: Path) -> tuple[int, int] | None:
-    """The self-speculative draft plan (draft layer, drafts) of the deployment record at ``path``, if it has one."""
-    import json
-
-    try:
-        plan = json.loads(path.read_text(encoding="utf-8"))["speculative"]
-        draft, n_draft = plan["draft_layer"], plan["num_draft"]
-    except (ValueError, OSError, KeyError, TypeError):
-        return None
-    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (draft, n_draft))
-    return (draft, n_draft) if ok else None
 
 
 def calibrate(cfg: LmConfig, run: RunContext | str | Path) -> dict:
@@ -99,7 +87,7 @@ def calibrate(cfg: LmConfig, run: RunContext | str | Path) -> dict:
         rows.append({"row": label, "backbone": "stage1", "rule": r, "threshold": threshold,
                      "val_loss": float(measured.reference.losses[:, -1].mean() + risk.mean())
                      if c.risk == "loss" else None, "mean_layers": cal.calibration["mean_cost"] * L})
-    plan = _previous_plan(path)  # Stage I's, so the one the replaced record timed still holds
+    plan = recorded_draft_plan(path)  # Stage I's, so the one the replaced record timed still holds
     draft, n_draft = plan if plan is not None else draft_plan(cfg, s1, trace, splits.val)[:2]
     batch = o.speed_batch or 1
     if o.fastest:

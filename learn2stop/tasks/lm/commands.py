@@ -214,32 +214,37 @@ def generate_command(cfg: LmConfig, run: RunContext | str | Path) -> dict:
             "tokens_per_s": len(used) / seconds, "rule": label}
 
 
-def _speculative_plan(cfg: LmConfig, run_dir: Path) -> dict | None:
-    """The draft layer and length of self-speculative decoding, where ``exit_rule`` asks for it or the run deployed
+def _speculative_plan(cfg: LmConfig, run_dir: Path) -> tuple[int, int] | None:
+    """The (draft layer, drafts) of self-speculative decoding, where ``exit_rule`` asks for it or the run deployed
     it; else None."""
     import json
+
+    from .speculative import recorded_draft_plan
 
     path = Path(run_dir) / "deployed.json"
     if cfg.exit_rule not in ("speculative", "deployed") or not path.is_file():
         return None
-    deployed = json.loads(path.read_text(encoding="utf-8"))
-    if cfg.exit_rule == "deployed" and deployed["rule"] != "speculative":
+    if cfg.exit_rule == "deployed" and json.loads(path.read_text(encoding="utf-8"))["rule"] != "speculative":
         return None
-    return deployed["speculative"]
+    plan = recorded_draft_plan(path)
+    if plan is None:
+        raise ConfigError(f"{path} holds no valid self-speculative draft plan (run 'lm evaluate' again)", "exit_rule")
+    return plan
 
 
-def _generate_speculative(cfg: LmConfig, run: RunContext, vocab: Vocab, prompt: torch.Tensor, gpt, plan: dict):
+def _generate_speculative(cfg: LmConfig, run: RunContext, vocab: Vocab, prompt: torch.Tensor, gpt,
+                          plan: tuple[int, int]):
     """Stage I's full-depth greedy continuation by self-speculative decoding (batch 1): the text, its acceptance and
     tokens/s."""
     from .speculative import self_speculative_decode
 
     t0 = time.perf_counter()
     with torch.inference_mode():
-        result = self_speculative_decode(gpt, prompt, cfg.max_new_tokens, plan["draft_layer"], plan["num_draft"])
+        result = self_speculative_decode(gpt, prompt, cfg.max_new_tokens, *plan)
     seconds = time.perf_counter() - t0
     text = vocab.decode(result.tokens[0, prompt.shape[1]:])
     sys.stdout.write(cfg.prompt + text + "\n")
-    label = f"self-speculative (draft layer {plan['draft_layer']}, {plan['num_draft']} drafts)"
+    label = f"self-speculative (draft layer {plan[0]}, {plan[1]} drafts)"
     n = cfg.max_new_tokens
     run.log(f"[{label}] {n} tokens, {result.accepted} of {result.drafted} drafts accepted, {n / seconds:.1f} tokens/s")
     return {"text": cfg.prompt + text, "tokens_per_s": n / seconds, "rule": label}

@@ -79,7 +79,9 @@ def in_time_record(cfg, out: dict, L: int) -> dict:
                      "tokens_per_s": {str(b): v for b, v in t["generate"].items()}, "score_tokens_per_s": t["score"],
                      **({"description": "self-speculative decoding of Stage I's full depth, matched on validation"}
                         if r["rule"] == "speculative" else {})})
-    costs = {"baseline": 1.0, **{x["rule"]: None if x["rule"] == "speculative" else x["mean_cost"] for x in rows[1:]}}
+    # a row with no layer count (self-speculative decoding) has no cost: its speed does not follow from its layers
+    costs = {"baseline": 1.0, **{short_name(r): None if r["test_mean_layers"] is None else r["test_mean_layers"] / L
+                                 for r in out["results"][1:] if r["row"] in out["timing"]}}
     for b in sizes:  # the rule deployment would pick with no tie: a full-depth rule's lead is the timing's noise
         speeds = {"baseline": 1.0, **{x["rule"]: x["speedup"][str(b)] for x in rows[1:]
                                       if x["speedup"].get(str(b)) is not None and x["reached"]}}

@@ -8,8 +8,10 @@ accepted prefix are left in the cache to be overwritten. Shapes as in :mod:`.mod
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -133,3 +135,15 @@ def fastest_draft(gpt: GPT, prompt: Tensor, plans: list[tuple[int, int, float]],
                 best[(k, m)] = min(best[(k, m)], seconds(lambda: self_speculative_decode(gpt, prompt, tokens, k, m)))
     (k, m), secs = min(best.items(), key=lambda kv: kv[1])
     return k, m, greedy / secs
+
+
+def recorded_draft_plan(path: Path) -> tuple[int, int] | None:
+    """The draft plan (draft layer, drafts) that the deployment record at ``path`` (``deployed.json``) holds, None
+    where there is no record or it holds no valid plan."""
+    try:
+        plan = json.loads(Path(path).read_text(encoding="utf-8"))["speculative"]
+        draft, n_draft = plan["draft_layer"], plan["num_draft"]
+    except (ValueError, OSError, KeyError, TypeError):
+        return None
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (draft, n_draft))
+    return (draft, n_draft) if ok else None

@@ -212,3 +212,16 @@ def test_the_real_corpus_trains_a_little(tmp_path):
     assert main(["lm", "train", *tiny(run_dir, corpus)]) == 0
     summary = json.loads((run_dir / "training.json").read_text())
     assert summary["baseline"]["val_loss_full_depth"] < 4.17  # below uniform over 65 characters, ln 65
+
+
+def test_generate_refuses_a_deployment_record_without_a_valid_draft_plan(trained, tmp_path, capsys):
+    import shutil
+
+    src, corpus = trained
+    run_dir = tmp_path / "run"
+    shutil.copytree(src, run_dir, ignore=shutil.ignore_patterns(".lock"))
+    record = json.loads((run_dir / "deployed.json").read_text())
+    (run_dir / "deployed.json").write_text(json.dumps({**record, "speculative": {"draft_layer": 0, "num_draft": 2}}))
+    assert cli(["lm", "generate", *tiny(run_dir, corpus, "--prompt", markov_text(3), "--exit_rule",
+                                        "speculative")]) == 2
+    assert "holds no valid self-speculative draft plan" in capsys.readouterr().err
