@@ -111,7 +111,10 @@ def fit_propagation(gpt: GPT, idx: Tensor, ridge: float = 1e-3) -> dict[str, flo
     exits, C = gpt.cfg.exit_layers, gpt.cfg.n_embd
     fitted, copied = [], []
     for layer in range(2, gpt.cfg.n_layer + 1):
-        x = torch.cat([states[k] for k in exits if k < layer])  # (N_pairs, C) exit states before the layer
+        sources = [k for k in exits if k < layer]
+        if not sources:  # before the first exit: no token skips this layer, its map stays as it is
+            continue
+        x = torch.cat([states[k] for k in sources])  # (N_pairs, C) exit states before the layer
         y = states[layer - 1].repeat(len(x) // len(states[0]), 1)  # the state block ``layer`` reads
         x1 = torch.cat([x, x.new_ones(len(x), 1)], 1)
         gram = x1.T @ x1

@@ -83,8 +83,10 @@ def test_learned_propagation_starts_as_copy():
             assert torch.equal(a, b)
 
 
-def test_fitted_propagation_gives_a_skipped_layers_keys_and_values_closer_than_copy_on_held_out_tokens():
-    gpt = tiny_gpt(7, propagation="learned")
+@pytest.mark.parametrize("exit_every", [1, 2])
+def test_fitted_propagation_gives_a_skipped_layers_keys_and_values_closer_than_copy_on_held_out_tokens(exit_every):
+    gpt = tiny_gpt(7, propagation="learned", exit_every=exit_every)
+    unreached = gpt.propagate_maps[0].weight.clone()  # layer 2: with exits every 2 blocks, no token skips it
     g = torch.Generator().manual_seed(8)
     err = fit_propagation(gpt, torch.randint(13, (32, 24), generator=g))
     assert 0 <= err["fitted"] < err["copy"]
@@ -97,10 +99,11 @@ def test_fitted_propagation_gives_a_skipped_layers_keys_and_values_closer_than_c
         for layer in range(2, gpt.cfg.n_layer + 1):
             block = gpt.blocks[layer - 1]
             true = torch.cat(block.attn.kv(block.ln_1(states[layer - 1])))
-            for k in range(1, layer):
+            for k in (k for k in gpt.cfg.exit_layers if k < layer):
                 fitted += float((torch.cat(gpt.propagated_kv(layer, states[k])) - true).pow(2).sum())
                 copied += float((torch.cat(block.attn.kv(block.ln_1(states[k]))) - true).pow(2).sum())
     assert fitted < copied
+    assert torch.equal(gpt.propagate_maps[0].weight, unreached) == (exit_every == 2)
     with pytest.raises(ValueError, match="propagates by copy"):
         fit_propagation(tiny_gpt(7), held)
 
