@@ -283,7 +283,7 @@ class LmConfig:
 
 
 PRESETS: dict[str, dict] = {
-    # a 6 x 128 character GPT on Tiny Shakespeare, exits every 2 blocks, about 16 minutes on two CPU threads; a flat
+    # a 6 x 128 character GPT on Tiny Shakespeare, exits every 2 blocks, about 17 minutes on two CPU threads; a flat
     # oracle (beta 10) trains every exit; the hidden-state policy regresses the loss that Learn-then-Test bounds
     "quick": {"model": {"exit_every": 2}, "method": {"beta": 10.0, "stage2_target": "risk"}},
     # a few seconds: a 2 x 32 GPT, a handful of steps (tests, smoke runs)
